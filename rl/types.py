@@ -1,0 +1,80 @@
+"""Data contracts: what crosses an actor boundary is one of these, never a dict of tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How the rollout engine samples. Temperature is applied to logits as vLLM applies it."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: int | None = None
+
+
+@dataclass
+class Sample:
+    """One generated response to one prompt.
+
+    `logprobs[i]` is the behaviour policy's log-probability of `response_ids[i]` (at the
+    sampling temperature), so len(logprobs) == len(response_ids).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    policy_version: int
+    group_id: int = -1
+    reward: float = 0.0
+    response_text: str = ""
+
+
+@dataclass
+class Batch:
+    """A padded training batch built from samples (see `rl.batching.build_batch`).
+
+    Shapes: B sequences, T = longest prompt+response in the batch. Position t of
+    `input_ids` predicts `input_ids[t+1]`; per-token tensors are aligned to the *target*
+    token, so `loss_mask[b, t]` is 1 when `input_ids[b, t+1]` is a response token.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T-1] float, 1 on response targets
+    old_logprobs: torch.Tensor  # [B, T-1] float, behaviour or recomputed old-policy log-probs
+    advantages: torch.Tensor  # [B, T-1] float, broadcast over each response
+    ref_logprobs: torch.Tensor | None = None  # [B, T-1] float, frozen reference policy
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> Batch:
+        """Rows `index` of every tensor (a micro- or mini-batch)."""
+        ref = None if self.ref_logprobs is None else self.ref_logprobs[index]
+        return Batch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            loss_mask=self.loss_mask[index],
+            old_logprobs=self.old_logprobs[index],
+            advantages=self.advantages[index],
+            ref_logprobs=ref,
+        )
+
+
+@dataclass
+class StepMetrics:
+    """Flat `section/name` floats, merged across workers by the driver."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def update(self, section: str, **named: float) -> None:
+        for name, value in named.items():
+            self.values[f"{section}/{name}"] = float(value)

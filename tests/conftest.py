@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny randomly initialised HF checkpoints built locally (no hub)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from rl.config import BaseBuildConfig
+from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+
+
+def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
+    rng = random.Random(0)
+    return [f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}" for _ in range(num_lines)]
+
+
+def build_tiny_checkpoint(path: Path, tie_word_embeddings: bool, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (head_dim 32, as vLLM's CPU attention needs) with a trained BPE tokenizer."""
+    cfg = BaseBuildConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    tokenizer = train_tokenizer(_arithmetic_corpus(), cfg.vocab_size)
+    model = new_qwen2(cfg, tokenizer, seed=seed)
+    return save_hf_atomic(model, tokenizer, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Untied tiny checkpoint."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-untied", False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny checkpoint with tie_word_embeddings=True."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-tied", True)

@@ -1,0 +1,118 @@
+"""Hugging Face building blocks: a locally trained tokenizer, a fresh Qwen2, atomic saves.
+
+There is no model hub here, so the tiny "pretrained" checkpoints of the CPU recipes and the
+tests are made from these pieces; real runs point `model.path` at any local HF directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rl.config import BaseBuildConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|user|>", "<|assistant|>"]
+# User turn, then the assistant's answer ended by EOS; generation starts after <|assistant|>.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|endoftext|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts`, digits always split one per token.
+
+    Splitting digits keeps arithmetic learnable for a tiny model (as Llama and Qwen do).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def new_qwen2(cfg: BaseBuildConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 sized by `cfg`, with its vocabulary padded to a multiple of 64."""
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"base.hidden_size={cfg.hidden_size} is not divisible by base.num_heads={cfg.num_heads}")
+    head_dim = cfg.hidden_size // cfg.num_heads
+    if head_dim < 32:
+        raise ValueError(
+            f"base.hidden_size / base.num_heads = {head_dim}; vLLM's CPU attention needs head_dim >= 32: "
+            "raise base.hidden_size or lower base.num_heads"
+        )
+    padded_vocab = -(-len(tokenizer) // 64) * 64
+    config = Qwen2Config(
+        vocab_size=padded_vocab,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def save_hf_atomic(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    path: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write config, safetensors, tokenizer and generation config to `path` atomically.
+
+    Written into a sibling temporary directory and renamed, so a crash never leaves a
+    half-written checkpoint at `path`; an existing `path` is replaced only once complete.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
