@@ -13,7 +13,10 @@ from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
 
 def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
     rng = random.Random(0)
-    return [f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}" for _ in range(num_lines)]
+    return [
+        f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}"
+        for _ in range(num_lines)
+    ]
 
 
 def build_tiny_checkpoint(path: Path, tie_word_embeddings: bool, seed: int = 0) -> Path:

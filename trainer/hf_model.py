@@ -59,10 +59,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-def new_qwen2(cfg: BaseBuildConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+def new_qwen2(
+    cfg: BaseBuildConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 sized by `cfg`, with its vocabulary padded to a multiple of 64."""
     if cfg.hidden_size % cfg.num_heads:
-        raise ValueError(f"base.hidden_size={cfg.hidden_size} is not divisible by base.num_heads={cfg.num_heads}")
+        raise ValueError(
+            f"base.hidden_size={cfg.hidden_size} is not divisible by base.num_heads={cfg.num_heads}"
+        )
     head_dim = cfg.hidden_size // cfg.num_heads
     if head_dim < 32:
         raise ValueError(
@@ -93,11 +97,13 @@ def save_hf_atomic(
     tokenizer: PreTrainedTokenizerFast,
     path: str | Path,
     state_dict: dict[str, torch.Tensor] | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write config, safetensors, tokenizer and generation config to `path` atomically.
 
     Written into a sibling temporary directory and renamed, so a crash never leaves a
     half-written checkpoint at `path`; an existing `path` is replaced only once complete.
+    `extra_files` maps file names to text written alongside (e.g. build metadata).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,8 @@ def save_hf_atomic(
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")

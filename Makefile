@@ -1,0 +1,32 @@
+# `make demo` runs the main job, `make test` the test suite; both set up .venv first.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test lint format setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (first run: about 3 minutes)"
+	@start=$$(date +%s); \
+	python3 -m venv $(VENV) && \
+	$(PY) -m pip install -q -e ".[dev]" && \
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec && \
+	touch $(STAMP) && \
+	echo "set-up took $$(( $$(date +%s) - start )) s"
+
+demo: $(STAMP)
+	$(VENV)/bin/rl train recipes/grpo_addition_cpu.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rl rollout trainer kernels tests bench
+	$(VENV)/bin/ruff format --check rl rollout trainer kernels tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format rl rollout trainer kernels tests bench
+	$(VENV)/bin/ruff check --fix rl rollout trainer kernels tests bench
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,27 @@
+"""Held-out evaluation: greedy accuracy of the current rollout policy."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from rl.config import Config
+from rl.prompts import encode_prompt
+from rl.rollout_group import RolloutGroup
+from rl.tasks import Task
+from rl.types import SamplingParams
+
+
+def evaluate(
+    rollout: RolloutGroup,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[dict],
+    cfg: Config,
+    version: int,
+) -> float:
+    """Fraction of `examples` whose greedy (temperature 0) response the task verifier accepts."""
+    prompts = [encode_prompt(tokenizer, example["prompt"]) for example in examples]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    samples = rollout.generate(prompts, greedy, policy_version=version)
+    scores = [task.score(s.response_text, examples[s.group_id]) for s in samples]
+    return sum(scores) / len(scores)

@@ -1,0 +1,67 @@
+"""Where step metrics go: a JSONL file in the run directory, wandb, and a console progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+from rl.config import Config
+
+# The few numbers worth a glance on the console; everything goes to JSONL and wandb.
+CONSOLE_KEYS = {
+    "reward/mean": "reward",
+    "eval/accuracy": "acc",
+    "perf/gen_tokens_per_s": "tok/s",
+    "time/step_s": "s/step",
+}
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._wandb = None
+        if cfg.run.wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                project=cfg.run.wandb_project,
+                name=cfg.run.name,
+                dir=str(run_dir),
+                mode=cfg.run.wandb_mode,
+                config=cfg.model_dump(),
+            )
+        self._bar = tqdm(total=cfg.run.num_steps, desc="grpo", disable=not cfg.run.progress_bar)
+        self._postfix: dict[str, str] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step's flat `section/name` metrics; non-finite values are kept as null."""
+        record = {
+            "step": step,
+            **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()},
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        for key, label in CONSOLE_KEYS.items():
+            if key in metrics:
+                self._postfix[label] = f"{metrics[key]:.3g}"
+        if step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(self._postfix, refresh=True)
+
+    def print(self, message: str) -> None:
+        """A console line that does not break the progress bar."""
+        self._bar.write(message)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()

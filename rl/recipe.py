@@ -1,0 +1,186 @@
+"""Recipes: a YAML file plus `dotted.key=value` overrides, validated into one `Config`.
+
+Every failure raises `ConfigError` naming the file, the key and how to fix it, before any
+actor starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rl.config import Config
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe or an override."""
+
+
+def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
+    """Read `recipe`, apply `overrides` in order, validate. Raises ConfigError."""
+    path = Path(recipe)
+    if not path.is_file():
+        raise ConfigError(
+            f"recipe file not found: {path} (recipes live in recipes/, e.g. recipes/grpo_addition_cpu.yaml)"
+        )
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"{path}: a recipe is a mapping of sections (model:, trainer:, ...), got {type(tree).__name__}"
+        )
+    _check_keys(tree, Config, path, prefix="")
+    for override in overrides:
+        key, value = _parse_override(override, path)
+        _set_dotted(tree, key, value, path)
+    try:
+        config = Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation_error(exc, path, overrides)) from None
+    check_consistency(config, path)
+    return config
+
+
+def _parse_override(override: str, path: Path) -> tuple[str, Any]:
+    if "=" not in override:
+        raise ConfigError(
+            f"override {override!r} is not key=value (e.g. trainer.lr=3e-6); recipe {path}"
+        )
+    key, raw = override.split("=", 1)
+    # YAML scalars: numbers, booleans, null, lists such as [0.9,0.95]; anything else stays a string.
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _set_dotted(tree: dict, key: str, value: Any, path: Path) -> None:
+    parts = key.split(".")
+    model: type[BaseModel] = Config
+    node = tree
+    for depth, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:depth])
+            raise ConfigError(
+                _unknown_key_message(key, part, model, where, path, source=f"override {key}=")
+            )
+        annotation = fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if depth == len(parts) - 1:
+            node[part] = value
+        elif not is_section:
+            raise ConfigError(
+                f"override {key!r}: {'.'.join(parts[: depth + 1])} is a value, not a section; recipe {path}"
+            )
+        else:
+            node = node.setdefault(part, {})
+            model = annotation
+
+
+def _check_keys(tree: dict, model: type[BaseModel], path: Path, prefix: str) -> None:
+    for key, value in tree.items():
+        if key not in model.model_fields:
+            raise ConfigError(
+                _unknown_key_message(prefix + str(key), str(key), model, prefix.rstrip("."), path)
+            )
+        annotation = model.model_fields[key].annotation
+        if (
+            isinstance(annotation, type)
+            and issubclass(annotation, BaseModel)
+            and isinstance(value, dict)
+        ):
+            _check_keys(value, annotation, path, prefix=f"{prefix}{key}.")
+
+
+def _unknown_key_message(
+    full_key: str, part: str, model: type[BaseModel], where: str, path: Path, source: str = ""
+) -> str:
+    valid = list(model.model_fields)
+    close = difflib.get_close_matches(part, valid, n=3, cutoff=0.5)
+    section = f"section '{where}'" if where else "the top level"
+    hint = f"; did you mean {', '.join(repr(_join(where, c)) for c in close)}?" if close else ""
+    origin = f" (from {source.rstrip('=')})" if source else ""
+    return (
+        f"{path}: unknown key '{full_key}'{origin}{hint} Valid keys in {section}: {', '.join(valid)}. "
+        "`rl train --help-config` lists every key."
+    )
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _describe_validation_error(exc: ValidationError, path: Path, overrides: list[str]) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"])
+        source = next((o for o in overrides if o.split("=", 1)[0].strip() == key), None)
+        origin = f" (from override {source})" if source else ""
+        got = f"; got {error['input']!r}" if error["type"] != "missing" else ""
+        lines.append(f"  {key}: {error['msg']}{got}{origin}")
+    return "\n".join(lines)
+
+
+def check_consistency(cfg: Config, path: Path | str) -> None:
+    """Cross-field rules that the field types cannot express."""
+    num_sequences = cfg.run.prompts_per_step * cfg.algorithm.group_size
+    per_step = cfg.trainer.num_workers * cfg.trainer.num_mini_batches
+    if num_sequences % per_step:
+        raise ConfigError(
+            f"{path}: run.prompts_per_step * algorithm.group_size = {num_sequences} sequences must split "
+            f"evenly over trainer.num_workers * trainer.num_mini_batches = {per_step}; change one of them"
+        )
+    if cfg.algorithm.group_size < 2:
+        raise ConfigError(
+            f"{path}: algorithm.group_size must be >= 2 for group-normalised advantages"
+        )
+    for key, value in {
+        "trainer.num_workers": cfg.trainer.num_workers,
+        "rollout.num_workers": cfg.rollout.num_workers,
+        "run.num_steps": cfg.run.num_steps,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+    }.items():
+        if value < 1:
+            raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
+
+
+def describe_config() -> str:
+    """Every key with its type, default and description, for `rl train --help-config`."""
+    lines: list[str] = []
+    _describe_model(Config, "", lines)
+    return "\n".join(lines)
+
+
+def _describe_model(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"{prefix}{name}:")
+            _describe_model(annotation, prefix + name + ".", lines)
+            continue
+        type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+        type_name = type_name.replace("typing.", "")
+        default = "(required)" if field.is_required() else repr(field.default)
+        lines.append(f"  {prefix}{name}: {type_name} = {default}  # {field.description}")
+
+
+def check_model_path(cfg: Config, path: Path | str) -> None:
+    """model.path must be an HF checkpoint directory, unless the recipe builds its own base."""
+    model_dir = Path(cfg.model.path)
+    if not model_dir.exists():
+        if cfg.base.build_if_missing:
+            return
+        raise ConfigError(
+            f"{path}: model.path={cfg.model.path!r} does not exist. Point it at a local Hugging Face "
+            f"checkpoint directory, or build the tiny base with `rl build-base {path}` "
+            "(or set base.build_if_missing=true)."
+        )
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{path}: model.path={cfg.model.path!r} has no config.json; it must be a Hugging Face "
+            "causal-LM directory (config.json, *.safetensors, tokenizer files)"
+        )

@@ -1,0 +1,37 @@
+"""The driver's view of the rollout workers: create them, spread prompts over them, gather."""
+
+from __future__ import annotations
+
+import ray
+from rollout.worker import RolloutWorker
+
+from rl.config import Config
+from rl.scheduler import Placement
+from rl.types import Sample, SamplingParams
+
+
+class RolloutGroup:
+    def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
+        tp = cfg.rollout.tensor_parallel_size
+        self.workers = [
+            RolloutWorker.options(**placement.actor_options(index * tp, num_roles_sharing)).remote(
+                cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
+            )
+            for index in range(cfg.rollout.num_workers)
+        ]
+        ray.get([worker.ready.remote() for worker in self.workers])
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, policy_version: int
+    ) -> list[Sample]:
+        """params.n samples per prompt, ordered prompt by prompt; group_id = prompt index."""
+        num_workers = len(self.workers)
+        bounds = [len(prompts) * i // num_workers for i in range(num_workers + 1)]
+        futures = [
+            worker.generate.remote(
+                prompts[start:end], params, list(range(start, end)), policy_version
+            )
+            for worker, start, end in zip(self.workers, bounds, bounds[1:], strict=False)
+            if end > start
+        ]
+        return [sample for chunk in ray.get(futures) for sample in chunk]

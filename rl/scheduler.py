@@ -1,0 +1,76 @@
+"""Placement: one Ray placement group over the device pool, roles mapped onto its bundles.
+
+Colocate mode (the only one so far): every role shares every device and the driver
+time-slices them (generate, then train, then sync), so each actor asks for a fraction of
+its bundle. On CPU a "device" is one CPU; on GPU, one GPU plus a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl.config import Config
+
+
+@dataclass
+class Placement:
+    group: PlacementGroup
+    num_devices: int
+    use_gpu: bool
+
+    def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
+        """`.options(...)` for an actor that shares bundle `bundle_index` with other roles."""
+        share = 1.0 / num_roles_sharing
+        options = {
+            "num_cpus": share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=bundle_index
+            ),
+        }
+        if self.use_gpu:
+            options["num_gpus"] = share
+        return options
+
+    def release(self) -> None:
+        remove_placement_group(self.group)
+
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it) or start a local one."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(
+        address=address or None,
+        log_to_driver=True,
+        include_dashboard=False if not address else None,
+    )
+
+
+def colocate(cfg: Config, timeout_s: float = 120.0) -> Placement:
+    """Reserve one bundle per device; trainers and rollout engines share them.
+
+    The pool is as large as the larger role needs (each rollout worker spans
+    tensor_parallel_size devices), so on 2 CPUs two trainer ranks and one rollout worker fit.
+    """
+    use_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    num_devices = max(
+        cfg.trainer.num_workers, cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+    )
+    bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    group = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        available = ray.available_resources()
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"could not reserve {num_devices} x {bundle} for trainer.num_workers="
+            f"{cfg.trainer.num_workers} and rollout.num_workers x tensor_parallel_size="
+            f"{cfg.rollout.num_workers}x{cfg.rollout.tensor_parallel_size}; cluster has {available}"
+        )
+    return Placement(group=group, num_devices=num_devices, use_gpu=use_gpu)

@@ -1,0 +1,53 @@
+"""Samples become right-padded tensors whose masks line up with the response targets."""
+
+from __future__ import annotations
+
+import torch
+
+from rl.batching import build_batch
+from rl.types import Sample
+
+
+def test_response_targets_are_masked_and_carry_behaviour_logprobs() -> None:
+    samples = [
+        Sample(
+            prompt_ids=[5, 6],
+            response_ids=[7, 8, 9],
+            logprobs=[-0.1, -0.2, -0.3],
+            finish_reason="stop",
+            policy_version=0,
+        ),
+        Sample(
+            prompt_ids=[5, 6, 4],
+            response_ids=[1],
+            logprobs=[-0.5],
+            finish_reason="length",
+            policy_version=0,
+        ),
+    ]
+    batch = build_batch(samples, torch.tensor([2.0, -1.0]), pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 4, 1, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # Target t predicts token t+1: the first response token is predicted from the last prompt token.
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
+    assert torch.allclose(batch.old_logprobs[0], torch.tensor([0.0, -0.1, -0.2, -0.3]))
+    assert torch.allclose(batch.old_logprobs[1], torch.tensor([0.0, 0.0, -0.5, 0.0]))
+    assert batch.advantages.tolist() == [[0, 2, 2, 2], [0, 0, -1, 0]]
+
+
+def test_select_takes_the_same_rows_of_every_tensor() -> None:
+    samples = [
+        Sample(
+            prompt_ids=[1],
+            response_ids=[i],
+            logprobs=[-float(i)],
+            finish_reason="stop",
+            policy_version=0,
+        )
+        for i in range(1, 5)
+    ]
+    batch = build_batch(samples, torch.arange(4.0), pad_id=0)
+    part = batch.select(slice(1, 3))
+    assert part.num_sequences == 2
+    assert part.input_ids[:, 1].tolist() == [2, 3]
+    assert part.old_logprobs[:, 0].tolist() == [-2.0, -3.0]

@@ -1,0 +1,79 @@
+"""`rl train` rejects bad input before anything starts: exit 2, a message naming the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = "recipes/grpo_addition_cpu.yaml"
+
+# Runs the CLI in a fresh interpreter and proves no actor could have started: neither Ray nor
+# vLLM nor the driver was even imported.
+_PROBE = (
+    "import sys; from rl.cli import main; rc = main(sys.argv[1:]); "
+    "heavy = [m for m in ('ray', 'vllm', 'rl.driver') if m in sys.modules]; "
+    "assert not heavy, heavy; sys.exit(rc)"
+)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_unknown_override_key_names_key_file_and_closest_keys() -> None:
+    result = run_cli("train", DEMO, "trainer.lrr=1e-3")
+    assert result.returncode == 2
+    assert "unknown key 'trainer.lrr'" in result.stderr
+    assert DEMO in result.stderr
+    assert "did you mean 'trainer.lr'" in result.stderr
+
+
+def test_unknown_key_in_recipe_file_names_the_file(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  path: x\nrollout:\n  temprature: 0.5\n")
+    result = run_cli("train", str(recipe))
+    assert result.returncode == 2
+    assert str(recipe) in result.stderr
+    assert "unknown key 'rollout.temprature'" in result.stderr
+    assert "rollout.temperature" in result.stderr
+
+
+def test_wrong_type_names_key_value_and_override() -> None:
+    result = run_cli("train", DEMO, "run.num_steps=many")
+    assert result.returncode == 2
+    assert "run.num_steps" in result.stderr
+    assert "'many'" in result.stderr
+    assert "override run.num_steps=many" in result.stderr
+
+
+def test_missing_recipe_file_is_named() -> None:
+    result = run_cli("train", "recipes/does_not_exist.yaml")
+    assert result.returncode == 2
+    assert "recipe file not found: recipes/does_not_exist.yaml" in result.stderr
+
+
+def test_missing_model_path_says_how_to_build_it() -> None:
+    result = run_cli("train", DEMO, "model.path=/nonexistent/model", "base.build_if_missing=false")
+    assert result.returncode == 2
+    assert "model.path='/nonexistent/model' does not exist" in result.stderr
+    assert f"rl build-base {DEMO}" in result.stderr
+
+
+@pytest.mark.parametrize("override", ["trainer.num_mini_batches=5", "algorithm.group_size=1"])
+def test_inconsistent_batch_shape_is_rejected(override: str) -> None:
+    result = run_cli("train", DEMO, override)
+    assert result.returncode == 2
+    assert override.split("=")[0] in result.stderr
+
+
+def test_help_config_lists_every_key_with_type_default_and_description() -> None:
+    result = run_cli("train", "--help-config")
+    assert result.returncode == 0
+    assert "trainer.lr: float = 1e-05  # AdamW learning rate" in result.stdout
+    assert "model.path: str = (required)" in result.stdout

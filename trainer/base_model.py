@@ -1,0 +1,184 @@
+"""The tiny SFT "pretrained" checkpoint that the CPU recipes start RL from (`rl build-base`).
+
+There is no model hub on these machines, so a base model is made here: a byte-level tokenizer
+and a small Qwen2 trained from scratch, supervised on the task's train split (prompt -> answer
+in the chat template), deliberately stopped while it is still imperfect so RL has work to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from rl.config import BaseBuildConfig, Config
+from rl.data import PromptStream, load_split
+from rl.prompts import encode_prompt
+from rl.tasks import Task, get_task
+from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+BASE_INFO = "base_info.json"
+_IGNORE = -100  # label value that cross-entropy skips
+
+
+def _sft_batch(tokenizer: PreTrainedTokenizerBase, examples: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids/attention_mask/labels; labels only on answer tokens and EOS.
+
+    The answer is encoded on its own after the generation prompt, exactly the token
+    sequence that a rollout must produce to be scored correct.
+    """
+    rows = []
+    for ex in examples:
+        prompt = encode_prompt(tokenizer, ex["prompt"])
+        answer = tokenizer.encode(ex["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append((prompt + answer, [_IGNORE] * len(prompt) + answer))
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    return {
+        "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
+        "attention_mask": torch.tensor(
+            [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]
+        ),
+        "labels": torch.tensor([lab + [_IGNORE] * (width - len(lab)) for _, lab in rows]),
+    }
+
+
+def sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stream: PromptStream,
+    cfg: BaseBuildConfig,
+) -> float:
+    """Train `model` in place for `cfg.sft_steps` AdamW steps; returns the last step's loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, num_warmup_steps=max(1, cfg.sft_steps // 20), num_training_steps=cfg.sft_steps
+    )
+    model.train()
+    loss = torch.tensor(math.nan)
+    for step in range(cfg.sft_steps):
+        batch = _sft_batch(tokenizer, stream.next_batch(cfg.sft_batch_size))
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % 100 == 0 or step == cfg.sft_steps - 1:
+            logger.info("sft step %d/%d loss %.4f", step + 1, cfg.sft_steps, loss.item())
+    model.eval()
+    return loss.item()
+
+
+@torch.no_grad()
+def generate_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+    batch_size: int = 512,
+) -> list[list[str]]:
+    """`num_samples` decoded responses per prompt; temperature 0 means greedy.
+
+    Prompts are left-padded so every row's continuation starts at the same position.
+    """
+    was_training = model.training
+    model.eval()
+    pad = tokenizer.pad_token_id
+    out: list[list[str]] = []
+    for start in range(0, len(prompts), batch_size):
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            **(sampling if temperature > 0 else {"do_sample": False}),
+        )
+        texts = tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
+        out.extend(texts[i : i + num_samples] for i in range(0, len(texts), num_samples))
+    model.train(was_training)
+    return out
+
+
+def greedy_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[dict],
+    max_new_tokens: int,
+) -> float:
+    """Fraction of `examples` whose greedy response `task` scores correct."""
+    responses = generate_responses(
+        model, tokenizer, [ex["prompt"] for ex in examples], max_new_tokens
+    )
+    return sum(task.score(r[0], ex) for r, ex in zip(responses, examples, strict=True)) / len(
+        examples
+    )
+
+
+def build_base(cfg: Config) -> Path:
+    """Train tokenizer and model for `cfg.data.task`, save them at `cfg.model.path`.
+
+    Runs single-process on `cfg.trainer.num_threads` torch threads; also writes
+    base_info.json (held-out greedy accuracy, steps, seconds) into the checkpoint.
+    """
+    start = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.trainer.num_threads)
+    try:
+        task = get_task(cfg.data.task)
+        train = load_split(cfg.data, "train")
+        test = [dict(ex) for ex in load_split(cfg.data, "test")]
+        tokenizer = train_tokenizer(
+            (text for ex in train for text in (ex["prompt"], ex["answer"])), cfg.base.vocab_size
+        )
+        # Seeded like the run so that `rl build-base` is reproducible end to end.
+        model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
+        random.seed(cfg.run.seed)
+        loss = sft(model, tokenizer, PromptStream(train, cfg.run.seed), cfg.base)
+        accuracy = greedy_accuracy(model, tokenizer, task, test, cfg.rollout.max_new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+    info = {
+        "task": task.name,
+        "greedy_accuracy": accuracy,
+        "num_test": len(test),
+        "sft_steps": cfg.base.sft_steps,
+        "sft_final_loss": loss,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.time() - start, 2),
+    }
+    path = save_hf_atomic(
+        model, tokenizer, cfg.model.path, extra_files={BASE_INFO: json.dumps(info, indent=2)}
+    )
+    logger.info("built base model at %s: %s", path, info)
+    return path
+
+
+def ensure_base(cfg: Config) -> None:
+    """Make sure `cfg.model.path` exists, building it when `cfg.base.build_if_missing`."""
+    if Path(cfg.model.path).exists():
+        return
+    if not cfg.base.build_if_missing:
+        raise ValueError(
+            f"model.path {cfg.model.path!r} does not exist: build it with `rl build-base RECIPE` "
+            "or set base.build_if_missing=true"
+        )
+    build_base(cfg)
