@@ -76,6 +76,7 @@ def train(cfg: Config) -> dict[str, float]:
         sync_start = time.perf_counter()
         metrics.update(trainers.push_weights(rollout, version=step))
         sync_s = time.perf_counter() - sync_start
+        metrics["rollout/version"] = min(rollout.versions())
 
         num_tokens = sum(len(s.response_ids) for s in samples)
         metrics.update(

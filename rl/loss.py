@@ -34,7 +34,10 @@ def policy_objective(
     pg_loss, clipped = POLICY_LOSSES.get(cfg.policy_loss)(
         logprobs, batch.old_logprobs, batch.advantages, cfg.clip_low, cfg.clip_high
     )
-    token_loss = pg_loss - cfg.entropy_coef * entropy
+    token_loss = pg_loss
+    if cfg.entropy_coef:
+        # Guarded so a zero coefficient skips the kernel's entropy backward entirely.
+        token_loss = token_loss - cfg.entropy_coef * entropy
     metrics = {
         "pg_loss": masked_mean(pg_loss.detach(), mask),
         "clip_frac": masked_mean(clipped, mask),

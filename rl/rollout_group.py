@@ -35,3 +35,7 @@ class RolloutGroup:
             if end > start
         ]
         return [sample for chunk in ray.get(futures) for sample in chunk]
+
+    def versions(self) -> list[int]:
+        """The policy version each worker currently serves."""
+        return ray.get([worker.version.remote() for worker in self.workers])

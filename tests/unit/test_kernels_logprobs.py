@@ -17,7 +17,7 @@ def _reference(hidden, weight, targets, temperature):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5)
 
 
 def _inputs(num_tokens=37, dim=16, vocab=50, dtype=torch.float64, seed=0):
@@ -81,3 +81,23 @@ def test_rejects_bad_temperature() -> None:
     hidden, weight, targets = _inputs()
     with pytest.raises(ValueError, match="temperature"):
         fused_logprobs(hidden, weight, targets, 0.0)
+
+
+def test_leading_dims_and_strided_input() -> None:
+    """[B, T, d] hidden sliced like hidden[:, :-1] -> outputs [B, T-1] that are not views."""
+    hidden, weight, targets = _inputs(num_tokens=4 * 6, dtype=torch.float32)
+    states = hidden.detach().view(4, 6, -1).requires_grad_()
+    lp, ent = fused_logprobs(states[:, :-1], weight, targets.view(4, 6)[:, 1:], 1.2, 5)
+    assert lp.shape == ent.shape == (4, 5) and lp._base is None and ent._base is None
+    ref_lp, ref_ent = _reference(
+        states[:, :-1].reshape(-1, states.shape[-1]),
+        weight,
+        targets.view(4, 6)[:, 1:].reshape(-1),
+        1.2,
+    )
+    _close(lp.view(-1), ref_lp)
+    _close(ent.view(-1), ref_ent)
+    grads = torch.autograd.grad((lp + 2 * ent).sum(), (states, weight))
+    ref_grads = torch.autograd.grad((ref_lp + 2 * ref_ent).sum(), (states, weight))
+    for got, want in zip(grads, ref_grads, strict=True):
+        _close(got, want)

@@ -1,0 +1,49 @@
+"""The driver's view of the trainer group: W TrainWorker actors that act as one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+import torch
+
+from rl.config import Config
+from rl.rollout_group import RolloutGroup
+from rl.scheduler import Placement
+from rl.types import Batch
+from trainer.worker import create_train_group
+
+
+class TrainGroup:
+    def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
+        self.cfg = cfg
+        share = 1.0 / num_roles_sharing
+        self.workers = create_train_group(
+            cfg,
+            placement.group,
+            num_cpus=share,
+            num_gpus=share if placement.use_gpu else 0.0,
+        )
+
+    def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
+        """Log-probs [B, T-1] of `batch` under the policy or the frozen reference."""
+        batch_ref = ray.put(batch)
+        parts = ray.get([w.compute_logprobs.remote(batch_ref, model) for w in self.workers])
+        return torch.cat(parts, dim=0)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One rollout batch of updates; metrics are already reduced over ranks."""
+        batch_ref = ray.put(batch)
+        return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
+
+    def push_weights(self, rollout: RolloutGroup, version: int) -> dict[str, float]:
+        """Stream the updated weights into every rollout engine; they then serve `version`."""
+        bucket_bytes = self.cfg.rollout.weight_bucket_mb << 20
+        results = ray.get(
+            [w.push_weights.remote(rollout.workers, version, bucket_bytes) for w in self.workers]
+        )
+        return results[0]
+
+    def export_hf(self, out_dir: Path) -> Path:
+        ray.get([w.export_hf.remote(str(out_dir)) for w in self.workers])
+        return out_dir

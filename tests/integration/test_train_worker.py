@@ -1,0 +1,246 @@
+"""The FSDP2 trainer on a real 2-rank gloo group: exact data-parallel gradients, Ray actors,
+weight streaming and HF export, on the tiny checkpoints of tests/conftest.py."""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rl.config import Config
+from rl.loss import loss_weights, policy_objective
+from rl.types import Batch
+from trainer.policy import PolicyTrainer, rank_rows
+from trainer.worker import create_train_group
+
+pytestmark = pytest.mark.integration
+
+TEMPERATURE = 0.8
+
+
+def _config(model_dir: Path, **trainer: object) -> Config:
+    return Config.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "rollout": {"temperature": TEMPERATURE},
+            "trainer": {"num_workers": 2, "logprob_chunk_size": 7, **trainer},
+            "algorithm": {"kl_coef": 0.1, "entropy_coef": 0.01},
+        }
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _hf_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive reference: full logits from the plain HF model -> (logprob, entropy) [B, T-1]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), entropy
+
+
+def _make_batch(model, num_rows: int, seq_len: int, seed: int) -> Batch:
+    """Right-padded random sequences; old/ref log-probs near the model's so that some clip."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (num_rows,), generator=gen)
+    prompt_lens = torch.randint(2, seq_len // 2, (num_rows,), generator=gen)
+    steps = torch.arange(seq_len)
+    attention_mask = (steps < lengths[:, None]).long()
+    input_ids = torch.randint(1, vocab, (num_rows, seq_len), generator=gen) * attention_mask
+    targets = steps[1:]
+    loss_mask = ((targets >= prompt_lens[:, None]) & (targets < lengths[:, None])).float()
+    batch = Batch(input_ids, attention_mask, loss_mask, loss_mask, loss_mask)
+    with torch.no_grad():
+        logprobs, _ = _hf_logprobs(model, batch)
+    noise = torch.randn(2, num_rows, seq_len - 1, generator=gen)
+    batch.old_logprobs = (logprobs + 0.3 * noise[0]) * loss_mask
+    batch.ref_logprobs = (logprobs + 0.2 * noise[1]) * loss_mask
+    batch.advantages = torch.randn(num_rows, 1, generator=gen) * loss_mask
+    return batch
+
+
+# ---- exact data parallelism, without Ray -------------------------------------------------
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+
+
+def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> None:
+    trainer = PolicyTrainer(cfg, rank, 2, "127.0.0.1", port)
+    result = {
+        "logprobs": trainer.compute_logprobs(batch),
+        "ref_logprobs": trainer.compute_logprobs(batch, "reference"),
+        "grads": {},
+        "metrics": {},
+    }
+    for agg in LOSS_AGGS:
+        trainer.cfg.algorithm.loss_agg = agg
+        result["metrics"][agg] = trainer.accumulate_gradients(batch)
+        result["grads"][agg] = {
+            name: p.grad.full_tensor() for name, p in trainer.policy.model.named_parameters()
+        }
+        trainer.optimizer.zero_grad()
+    # Still at the initial weights: the step's grad norm is that of the last aggregation.
+    result["train_step"] = trainer.train_step(batch)
+    result["bucket_names"] = [n for b in trainer.weight_buckets(1 << 14) for n, _ in b]
+    torch.save(result, out / f"rank{rank}.pt")
+    trainer.close()
+
+
+def test_two_ranks_with_micro_batches_equal_one_full_batch(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """W=2, 9 rows (5 + 4: rank 1 runs a dummy micro-batch), micro_batch_size 2, chunk 7."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = _make_batch(model, num_rows=9, seq_len=12, seed=0)
+    cfg = _config(tiny_model_dir, micro_batch_size=2)
+    mp.spawn(_rank_main, args=(cfg, _free_port(), batch, tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    logprobs, entropy = _hf_logprobs(model, batch)
+    for rank, result in enumerate(ranks):
+        mine = logprobs[rank_rows(9, rank, 2)].detach()
+        torch.testing.assert_close(result["logprobs"], mine, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["ref_logprobs"], mine, rtol=1e-5, atol=1e-5)
+
+    for agg in LOSS_AGGS:
+        cfg.algorithm.loss_agg = agg
+        model.zero_grad()
+        denominator = loss_weights(cfg.algorithm, batch.loss_mask).sum().item()
+        loss, metrics = policy_objective(cfg.algorithm, logprobs, entropy, batch, denominator)
+        loss.backward(retain_graph=True)
+        for result in ranks:  # metrics are all-reduced: identical on every rank
+            got = result["metrics"][agg]
+            assert got["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+            for name in ("pg_loss", "clip_frac", "entropy", "kl_ref"):
+                assert got[name] == pytest.approx(metrics[name].item(), rel=1e-5, abs=1e-7)
+        assert 0 < ranks[0]["metrics"][agg]["clip_frac"] < 1
+        grads = ranks[0]["grads"][agg]
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
+
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert ranks[0]["train_step"]["actor/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert ranks[0]["train_step"]["actor/loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+
+    untied = list(load_file(tiny_model_dir / "model.safetensors"))
+    assert sorted(ranks[0]["bucket_names"]) == sorted(untied)
+    assert ranks[1]["bucket_names"] == []
+
+
+# ---- the Ray actor group ------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class RecordingRollout:
+    """Stands in for rollout.worker.RolloutWorker's weight-receiving side."""
+
+    def __init__(self) -> None:
+        self.buckets: list[list[tuple[str, torch.Tensor]]] = []
+        self.versions: list[int] = []
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self.buckets.append(bucket)
+
+    def finish_weight_update(self, version: int) -> None:
+        self.versions.append(version)
+
+    def received(self) -> tuple[list[list[tuple[str, torch.Tensor]]], list[int]]:
+        return self.buckets, self.versions
+
+
+@pytest.fixture(scope="module")
+def group(tiny_tied_model_dir: Path):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = _config(tiny_tied_model_dir, lr=1e-2, micro_batch_size=3, num_mini_batches=2)
+    try:
+        yield create_train_group(cfg, None, num_cpus=1)
+    finally:
+        ray.shutdown()
+
+
+def _push(group: list, version: int, bucket_bytes: int) -> tuple[list, dict[str, float]]:
+    """push_weights into a fresh recording stub: (its buckets, rank 0's metrics)."""
+    stub = RecordingRollout.remote()
+    results = ray.get([w.push_weights.remote([stub], version, bucket_bytes) for w in group])
+    buckets, versions = ray.get(stub.received.remote())
+    assert versions == [version]
+    return buckets, results[0]
+
+
+def _checksum(group: list) -> float:
+    return ray.get([w.parameter_checksum.remote() for w in group])[0]  # collective
+
+
+def _flat(buckets: list) -> dict[str, torch.Tensor]:
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert len(names) == len(set(names))
+    return {name: tensor for bucket in buckets for name, tensor in bucket}
+
+
+def test_push_weights_streams_hf_names_and_tied_lm_head(
+    group: list, tiny_tied_model_dir: Path
+) -> None:
+    bucket_bytes = 40_000
+    buckets, metrics = _push(group, version=0, bucket_bytes=bucket_bytes)
+    checkpoint = load_file(tiny_tied_model_dir / "model.safetensors")
+    assert "lm_head.weight" not in checkpoint  # tied: saved once, under the embedding's name
+    received = _flat(buckets)
+    assert sorted(received) == sorted([*checkpoint, "lm_head.weight"])
+    for name, tensor in checkpoint.items():
+        assert torch.equal(received[name], tensor), name
+    assert torch.equal(received["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
+    assert len(buckets) == metrics["weight_sync/buckets"] > 1
+    for bucket in buckets:  # over budget only when one tensor alone is
+        assert len(bucket) == 1 or sum(t.numel() * 4 for _, t in bucket) <= bucket_bytes
+    assert metrics["weight_sync/bytes"] == sum(t.numel() * 4 for t in received.values())
+
+
+def test_train_step_updates_parameters(group: list, tiny_tied_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.float32)
+    batch = _make_batch(model.eval(), num_rows=16, seq_len=12, seed=1)
+    before = _checksum(group)
+    batch_ref = ray.put(batch)
+    results = ray.get([w.train_step.remote(batch_ref) for w in group])
+    after = _checksum(group)
+    assert after != pytest.approx(before, rel=1e-6)
+    metrics = results[0]
+    for key in ("pg_loss", "clip_frac", "entropy", "kl_ref", "grad_norm", "lr", "loss"):
+        assert math.isfinite(metrics[f"actor/{key}"]), key
+    assert metrics["actor/lr"] == 1e-2 and metrics["actor/grad_norm"] > 0
+    assert metrics["timing/train_step_s"] > 0
+    for key, value in metrics.items():  # reduced over ranks: only timings may differ
+        if key.startswith("actor/"):
+            assert results[1][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_export_hf_round_trips_and_matches_pushed_weights(group: list, tmp_path: Path) -> None:
+    out_dir = tmp_path / "export"
+    ray.get([w.export_hf.remote(str(out_dir)) for w in group])
+    exported = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert exported.config.tie_word_embeddings
+    received = _flat(_push(group, version=1, bucket_bytes=1 << 20)[0])
+    state = exported.state_dict()
+    assert sorted(state) == sorted(received)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, received[name]), name
+
+    batch = _make_batch(exported, num_rows=5, seq_len=10, seed=2)
+    batch_ref = ray.put(batch)
+    parts = ray.get([w.compute_logprobs.remote(batch_ref) for w in group])
+    with torch.no_grad():
+        expected, _ = _hf_logprobs(exported, batch)
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-5, atol=1e-5)
+    assert (out_dir / "tokenizer.json").exists()

@@ -1,0 +1,74 @@
+"""FSDP2 wrapping of an HF causal LM whose forward returns per-token log-probs, never logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from kernels import fused_logprobs
+from rl.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LogProbModel(nn.Module):
+    """An HF causal LM (`self.model`) whose forward yields (logprob, entropy) per target token.
+
+    The decoder produces hidden states and the fused kernel applies the LM head chunk by chunk,
+    so the [B, T, V] logits never exist. This module is the FSDP root: the root's forward
+    unshards everything not in a decoder layer (embeddings, final norm, lm_head) around it.
+    """
+
+    def __init__(self, model: PreTrainedModel, chunk_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask [B, T] -> (logprob, entropy) [B, T-1] fp32.
+
+        Position t scores input_ids[:, t+1] under softmax(logits_t / temperature).
+        """
+        out = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
+        return fused_logprobs(
+            out.last_hidden_state[:, :-1],
+            self.model.get_output_embeddings().weight,
+            input_ids[:, 1:],
+            temperature,
+            self.chunk_size,
+        )
+
+
+def load_sharded(
+    cfg: ModelConfig, mesh: DeviceMesh, chunk_size: int, trainable: bool
+) -> LogProbModel:
+    """Load `cfg.path` in fp32 and shard it with FSDP2: each decoder layer, then the root.
+
+    Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
+    host memory once per rank). With model.dtype=bfloat16, parameters stay fp32 (the optimizer's
+    master copy) and are cast to bf16 for compute; gradients are reduced in fp32.
+    """
+    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"model.path={cfg.path!r}: expected a decoder with a `layers` ModuleList "
+            f"(Llama/Qwen-style), got {type(model).__name__}"
+        )
+    # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
+    model.eval()
+    model.requires_grad_(trainable)
+    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.dtype], reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    wrapper = LogProbModel(model, chunk_size)
+    fully_shard(wrapper, mesh=mesh, mp_policy=policy)
+    assert isinstance(wrapper, FSDPModule)
+    return wrapper

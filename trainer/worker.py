@@ -1,0 +1,114 @@
+"""TrainWorker: the Ray actor shell around one `PolicyTrainer` rank, and group creation."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl.config import Config
+from rl.types import Batch
+from trainer.policy import PolicyTrainer
+
+
+@ray.remote
+class TrainWorker:
+    """One FSDP2 rank. Created cheaply, then `init_trainer` joins the process group.
+
+    Two phases because rank 0's address and port must be known before any rank can join, and
+    they are rank 0's own (its node, a port free there), which is what makes multi-node work.
+    """
+
+    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.trainer: PolicyTrainer | None = None
+
+    def get_master_addr_port(self) -> tuple[str, int]:
+        """This node's IP and a port free on it, for rank 0 to host the rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_trainer(self, master_addr: str, master_port: int) -> None:
+        """Build the PolicyTrainer; blocks until all ranks have joined."""
+        self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size, master_addr, master_port)
+
+    def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
+        """This rank's rows (`trainer.policy.rank_rows`) of the log-probs [B, T-1]."""
+        return self.trainer.compute_logprobs(batch, model)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def export_hf(self, out_dir: str) -> None:
+        self.trainer.export_hf(out_dir)
+
+    def parameter_checksum(self) -> float:
+        return self.trainer.parameter_checksum()
+
+    def push_weights(
+        self, rollout_workers: list[ActorHandle], version: int, bucket_bytes: int
+    ) -> dict[str, float]:
+        """Stream the full weights into every rollout worker, one bucket in flight.
+
+        Every rank must call this (gathering is collective); rank 0 sends each bucket through
+        the object store, waits until all workers have loaded it, then tells them the new
+        `version` is complete. Returns timing and (rank 0's, else zero) size metrics.
+        """
+        start = time.perf_counter()
+        num_bytes = num_buckets = 0
+        for bucket in self.trainer.weight_buckets(bucket_bytes):
+            if self.rank != 0:
+                continue
+            ref = ray.put(bucket)
+            ray.get([w.load_weights.remote(ref) for w in rollout_workers])
+            del ref  # let the object store free the bucket before the next one
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            num_buckets += 1
+        if self.rank == 0:
+            ray.get([w.finish_weight_update.remote(version) for w in rollout_workers])
+        return {
+            "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/bytes": float(num_bytes),
+            "weight_sync/buckets": float(num_buckets),
+        }
+
+
+def create_train_group(
+    cfg: Config,
+    placement_group: PlacementGroup | None,
+    bundle_indices: list[int] | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+) -> list[ActorHandle]:
+    """Start trainer.num_workers TrainWorker ranks and wait until they form one group.
+
+    Rank r goes to bundle `bundle_indices[r]` of `placement_group` (default: bundle r), or
+    anywhere when `placement_group` is None. `num_cpus`/`num_gpus` are each rank's share of
+    its bundle (fractions when roles are colocated). Returns the handles in rank order.
+    """
+    world_size = cfg.trainer.num_workers
+    if world_size < 1:
+        raise ValueError(f"trainer.num_workers={world_size} < 1")
+    indices = list(range(world_size)) if bundle_indices is None else bundle_indices
+    if len(indices) != world_size:
+        raise ValueError(
+            f"trainer.num_workers={world_size} ranks but {len(indices)} bundle indices"
+        )
+    workers = []
+    for rank, index in enumerate(indices):
+        options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=index
+            )
+        workers.append(TrainWorker.options(**options).remote(cfg, rank, world_size))
+    addr, port = ray.get(workers[0].get_master_addr_port.remote())
+    ray.get([w.init_trainer.remote(addr, port) for w in workers])
+    return workers
