@@ -54,6 +54,7 @@ def train(cfg: Config) -> dict[str, float]:
 
     accuracy_before = evaluate(rollout, tokenizer, task, test_examples, cfg, version=0)
     logger.print(f"held-out greedy accuracy before RL: {accuracy_before:.1%}")
+    logger.log(0, {"eval/accuracy": accuracy_before})
     metrics: dict[str, float] = {}
     for step in range(1, cfg.run.num_steps + 1):
         step_start = time.perf_counter()

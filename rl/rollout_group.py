@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ray
-from rollout.worker import RolloutWorker
 
 from rl.config import Config
 from rl.scheduler import Placement
 from rl.types import Sample, SamplingParams
+from rollout.worker import RolloutWorker
 
 
 class RolloutGroup:
