@@ -47,6 +47,11 @@ class BaseBuildConfig(_Section):
     )
     sft_batch_size: int = Field(64, description="Sequences per SFT step.")
     sft_lr: float = Field(3e-3, description="Peak SFT learning rate (cosine decay, short warmup).")
+    sft_target_accuracy: float = Field(
+        0.3,
+        description="Stop SFT once greedy accuracy on train examples held out from SFT reaches "
+        "this (0 = run all sft_steps); leaves RL headroom.",
+    )
 
 
 class DataConfig(_Section):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +26,8 @@ from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
 logger = logging.getLogger(__name__)
 
 BASE_INFO = "base_info.json"
+VALIDATE_EVERY = 25  # SFT steps between early-stopping checks (each costs ~2 steps' time)
+NUM_VALIDATION = 200  # train examples held out from SFT for early stopping
 _IGNORE = -100  # label value that cross-entropy skips
 
 
@@ -56,15 +58,24 @@ def sft(
     tokenizer: PreTrainedTokenizerBase,
     stream: PromptStream,
     cfg: BaseBuildConfig,
-) -> float:
-    """Train `model` in place for `cfg.sft_steps` AdamW steps; returns the last step's loss."""
+    validate: Callable[[], float],
+) -> dict[str, float | None]:
+    """Train `model` in place with AdamW for up to `cfg.sft_steps` steps.
+
+    Every `VALIDATE_EVERY` steps `validate()` (a held-out greedy accuracy) is checked against
+    `cfg.sft_target_accuracy`. Learning to add is abrupt: the loss sits on a plateau for a
+    seed-dependent few hundred steps and then accuracy climbs by tens of points per hundred
+    steps, so a fixed step count cannot land reliably on an imperfect-but-close base; stopping
+    on accuracy can. Returns the steps run, the last loss and the last validation accuracy (None if
+    never validated).
+    """
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=max(1, cfg.sft_steps // 20), num_training_steps=cfg.sft_steps
     )
     model.train()
-    loss = torch.tensor(math.nan)
-    for step in range(cfg.sft_steps):
+    stats: dict[str, float | None] = {"steps": 0, "loss": math.nan, "val_accuracy": None}
+    for step in range(1, cfg.sft_steps + 1):
         batch = _sft_batch(tokenizer, stream.next_batch(cfg.sft_batch_size))
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -72,10 +83,17 @@ def sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        if step % 100 == 0 or step == cfg.sft_steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step + 1, cfg.sft_steps, loss.item())
+        stats |= {"steps": step, "loss": loss.item()}
+        if step % VALIDATE_EVERY and step != cfg.sft_steps:
+            continue
+        logger.info("sft step %d/%d loss %.4f", step, cfg.sft_steps, stats["loss"])
+        if cfg.sft_target_accuracy > 0:
+            stats["val_accuracy"] = accuracy = validate()
+            logger.info("sft validation greedy accuracy %.3f", accuracy)
+            if accuracy >= cfg.sft_target_accuracy:
+                break
     model.eval()
-    return loss.item()
+    return stats
 
 
 @torch.no_grad()
@@ -125,12 +143,10 @@ def greedy_accuracy(
     max_new_tokens: int,
 ) -> float:
     """Fraction of `examples` whose greedy response `task` scores correct."""
-    responses = generate_responses(
-        model, tokenizer, [ex["prompt"] for ex in examples], max_new_tokens
-    )
-    return sum(task.score(r[0], ex) for r, ex in zip(responses, examples, strict=True)) / len(
-        examples
-    )
+    prompts = [ex["prompt"] for ex in examples]
+    responses = generate_responses(model, tokenizer, prompts, max_new_tokens)
+    scores = [task.score(r[0], ex) for r, ex in zip(responses, examples, strict=True)]
+    return sum(scores) / len(scores)
 
 
 def build_base(cfg: Config) -> Path:
@@ -146,22 +162,33 @@ def build_base(cfg: Config) -> Path:
         task = get_task(cfg.data.task)
         train = load_split(cfg.data, "train")
         test = [dict(ex) for ex in load_split(cfg.data, "test")]
+        # Early stopping looks at train examples SFT never sees, leaving the test split clean.
+        num_val = min(NUM_VALIDATION, len(train) // 10)
+        val = [dict(ex) for ex in train.select(range(len(train) - num_val, len(train)))]
+        train = train.select(range(len(train) - num_val))
         tokenizer = train_tokenizer(
             (text for ex in train for text in (ex["prompt"], ex["answer"])), cfg.base.vocab_size
         )
         # Seeded like the run so that `rl build-base` is reproducible end to end.
         model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
-        random.seed(cfg.run.seed)
-        loss = sft(model, tokenizer, PromptStream(train, cfg.run.seed), cfg.base)
-        accuracy = greedy_accuracy(model, tokenizer, task, test, cfg.rollout.max_new_tokens)
+        max_new = cfg.rollout.max_new_tokens
+        stats = sft(
+            model,
+            tokenizer,
+            PromptStream(train, cfg.run.seed),
+            cfg.base,
+            validate=lambda: greedy_accuracy(model, tokenizer, task, val, max_new),
+        )
+        accuracy = greedy_accuracy(model, tokenizer, task, test, max_new)
     finally:
         torch.set_num_threads(threads)
     info = {
         "task": task.name,
         "greedy_accuracy": accuracy,
         "num_test": len(test),
-        "sft_steps": cfg.base.sft_steps,
-        "sft_final_loss": loss,
+        "sft_steps": stats["steps"],
+        "sft_final_loss": stats["loss"],
+        "sft_val_accuracy": stats["val_accuracy"],
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.time() - start, 2),
     }

@@ -1,0 +1,56 @@
+"""The demo recipe, run as `make demo` runs it, with fewer steps: base build, GRPO, export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
+    overrides = [
+        f"model.path={tmp_path / 'base'}",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "base.sft_steps=60",
+        "run.num_steps=3",
+        "run.eval_every=2",
+        "run.num_eval_prompts=32",
+        "run.wandb_mode=offline",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "train", "recipes/grpo_addition_cpu.yaml", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "held-out greedy accuracy before RL:" in result.stdout
+    assert "before ->" in result.stdout and "after 3 GRPO steps" in result.stdout
+
+    base_info = json.loads((tmp_path / "base" / "base_info.json").read_text())
+    assert base_info["sft_steps"] <= 60
+    run_dir = tmp_path / "runs" / "grpo-addition"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 3]
+    assert records[-1]["rollout/version"] == 3
+    assert any((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run was written"
+
+    exported = run_dir / "hf"
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.chat_template is not None
+    assert (
+        model.config.num_hidden_layers
+        == json.loads((run_dir / "config.json").read_text())["base"]["num_layers"]
+    )
