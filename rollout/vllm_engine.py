@@ -35,6 +35,8 @@ def _configure_environment() -> int:
     # The KV cache is sized exactly by `kv_cache_memory_bytes`; this legacy variable only
     # takes whole GiB and, when set, silently overrides it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # vLLM logs at INFO on every weight sync, which buries the driver's progress bar.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # Ray sets OMP_NUM_THREADS from the actor's CPUs (floor, at least 1). Set torch's count
     # before vLLM starts: left at its all-cores default, vLLM lowers it only later, and
     # generation ran 6x slower on a shared 2-core machine (measured).
