@@ -134,6 +134,7 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
             f"{path}: run.prompts_per_step * algorithm.group_size = {num_sequences} sequences must split "
             f"evenly over trainer.num_workers * trainer.num_mini_batches = {per_step}; change one of them"
         )
+    _check_registered_names(cfg, path)
     if cfg.algorithm.group_size < 2:
         raise ConfigError(
             f"{path}: algorithm.group_size must be >= 2 for group-normalised advantages"
@@ -146,6 +147,24 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     }.items():
         if value < 1:
             raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
+
+
+def _check_registered_names(cfg: Config, path: Path | str) -> None:
+    """Names looked up in registries fail here, not after the actors have started."""
+    from rl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from rl.tasks import TASKS
+
+    for key, value, registry in (
+        ("data.task", cfg.data.task, TASKS),
+        ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES),
+        ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
+        ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
+        ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
+    ):
+        if value not in registry:
+            raise ConfigError(
+                f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
+            )
 
 
 def describe_config() -> str:

@@ -65,8 +65,17 @@ def test_missing_model_path_says_how_to_build_it() -> None:
     assert f"rl build-base {DEMO}" in result.stderr
 
 
-@pytest.mark.parametrize("override", ["trainer.num_mini_batches=5", "algorithm.group_size=1"])
-def test_inconsistent_batch_shape_is_rejected(override: str) -> None:
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.num_mini_batches=5",
+        "algorithm.group_size=1",
+        "algorithm.kl_estimator=k2",
+        "algorithm.loss_agg=sum",
+        "data.task=multiplication",
+    ],
+)
+def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
     result = run_cli("train", DEMO, override)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
