@@ -163,7 +163,7 @@ def build_base(cfg: Config) -> Path:
         train = load_split(cfg.data, "train")
         test = [dict(ex) for ex in load_split(cfg.data, "test")]
         # Early stopping looks at train examples SFT never sees, leaving the test split clean.
-        num_val = min(NUM_VALIDATION, len(train) // 10)
+        num_val = max(1, min(NUM_VALIDATION, len(train) // 10))
         val = [dict(ex) for ex in train.select(range(len(train) - num_val, len(train)))]
         train = train.select(range(len(train) - num_val))
         tokenizer = train_tokenizer(
