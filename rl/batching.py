@@ -1,4 +1,4 @@
-"""Samples -> padded training `Batch`."""
+"""Samples -> padded training `Batch`, and sequence scores -> per-token rewards."""
 
 from __future__ import annotations
 
@@ -7,19 +7,18 @@ import torch
 from rl.types import Batch, Sample
 
 
-def build_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int) -> Batch:
-    """Right-padded tensors for `samples`; advantages [B] are broadcast over each response.
+def build_batch(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-padded tensors for `samples`, advantages still zero.
 
-    Behaviour log-probs from the rollout become `old_logprobs`; the driver may replace them
-    with trainer-recomputed ones.
+    The behaviour log-probs recorded by the rollout are also the initial `old_logprobs` (the
+    proximal policy); the driver replaces them when the trainer recomputes them.
     """
-    assert advantages.shape == (len(samples),)
     max_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     num = len(samples)
     input_ids = torch.full((num, max_len), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((num, max_len), dtype=torch.long)
     loss_mask = torch.zeros((num, max_len - 1), dtype=torch.float32)
-    old_logprobs = torch.zeros((num, max_len - 1), dtype=torch.float32)
+    behaviour = torch.zeros((num, max_len - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
         prompt_len, response_len = len(sample.prompt_ids), len(sample.response_ids)
         total = prompt_len + response_len
@@ -28,11 +27,26 @@ def build_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int) ->
         # Target position t predicts token t+1: the response occupies targets prompt_len-1 ..
         targets = slice(prompt_len - 1, total - 1)
         loss_mask[row, targets] = 1.0
-        old_logprobs[row, targets] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        behaviour[row, targets] = torch.tensor(sample.logprobs, dtype=torch.float32)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask,
-        old_logprobs=old_logprobs,
-        advantages=advantages.float()[:, None] * loss_mask,
+        behaviour_logprobs=behaviour,
+        old_logprobs=behaviour.clone(),
+        advantages=torch.zeros_like(loss_mask),
     )
+
+
+def token_rewards(scores: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence scores [B] placed on each response's last token -> [B, T-1].
+
+    A row without response tokens gets no reward anywhere.
+    """
+    assert scores.shape == loss_mask.shape[:1]
+    positions = torch.arange(loss_mask.shape[1]).expand_as(loss_mask)
+    last = (positions * loss_mask).argmax(dim=1)
+    rewards = torch.zeros_like(loss_mask)
+    has_response = loss_mask.sum(dim=1) > 0
+    rewards[has_response, last[has_response]] = scores[has_response].float()
+    return rewards

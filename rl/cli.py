@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rl.recipe import ConfigError, check_model_path, describe_config, load_config
+from rl.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rl", description="Tandem: RL post-training for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="run a recipe (GRPO)")
+    train = commands.add_parser("train", help="run a recipe (GRPO family or PPO)")
     train.add_argument("recipe", nargs="?", help="YAML recipe, e.g. recipes/grpo_addition_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-6")
     train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config and plan the placement, start nothing",
+    )
     build = commands.add_parser("build-base", help="build the recipe's tiny SFT base checkpoint")
     build.add_argument("recipe")
     build.add_argument("overrides", nargs="*")
@@ -22,19 +27,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    # argparse stops collecting positionals at the first flag, so overrides written after
+    # --dry-run arrive here; anything else is a genuine unknown argument.
+    unknown = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
+    if unknown:
+        _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command == "train" and args.help_config:
         print(describe_config())
         return 0
     if args.recipe is None:
         _parser().error("train needs a RECIPE (or --help-config)")
+    dry_run = args.command == "train" and args.dry_run
     try:
         cfg = load_config(args.recipe, args.overrides)
-        if args.command == "train":
-            check_model_path(cfg, args.recipe)
+        if args.command == "train" and not dry_run:
+            check_inputs(cfg, args.recipe)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if dry_run:
+        print(dry_run_report(cfg, args.recipe))
+        return 0
     # Heavy imports (torch, ray, vllm) only once the config is known to be good.
     if args.command == "build-base":
         from trainer.base_model import build_base

@@ -31,17 +31,17 @@ class BaseBuildConfig(_Section):
         False, description="Build an SFT base at model.path when it does not exist."
     )
     vocab_size: int = Field(
-        288,
+        260,
         description="Target BPE vocabulary size (byte-level, so never below 260 tokens).",
     )
     hidden_size: int = Field(128, description="Qwen2 hidden size.")
-    num_layers: int = Field(4, description="Qwen2 decoder layers.")
+    num_layers: int = Field(2, description="Qwen2 decoder layers.")
     num_heads: int = Field(
         4,
         description="Attention heads (head_dim = hidden_size / num_heads, at least 32 for vLLM CPU).",
     )
     num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
-    intermediate_size: int = Field(384, description="MLP width.")
+    intermediate_size: int = Field(1024, description="MLP width.")
     tie_word_embeddings: bool = Field(
         False, description="Share input embedding and lm_head weights."
     )
@@ -62,9 +62,22 @@ class DataConfig(_Section):
     dir: str = Field(
         ".cache/data", description="Where generated train/test jsonl splits are written and read."
     )
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="jsonl/parquet files with prompt and answer columns; when set they replace "
+        "the generated train split (GSM8K- or MATH-style data).",
+    )
+    test_files: list[str] = Field(
+        default_factory=list, description="Held-out files, as train_files (required with them)."
+    )
     num_train: int = Field(20000, description="Generated train prompts.")
     num_test: int = Field(500, description="Generated held-out prompts.")
     num_digits: int = Field(3, description="Addition: digits per operand.")
+    zero_pad: bool = Field(
+        True,
+        description="Addition: zero-pad answers to num_digits+1 digits (123+456 -> 0579), so each "
+        "answer digit sits at a fixed offset from its column whatever the sum's length.",
+    )
     num_operands: int = Field(3, description="Countdown: numbers given (3 or 4).")
     seed: int = Field(
         1234, description="Seed of the task generator (splits are disjoint and deterministic)."
@@ -109,23 +122,120 @@ class TrainerConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    """Advantages, policy loss, KL control and off-policy correction (names from rl.algorithms)."""
+
     group_size: int = Field(8, description="Responses sampled per prompt (G).")
-    advantage: str = Field("grpo", description="Advantage estimator from rl.algorithms.ADVANTAGES.")
-    normalize_std: bool = Field(True, description="Divide group-centred rewards by the group std.")
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator from rl.algorithms.ADVANTAGES (gae needs a critic).",
+    )
+    normalize_std: bool = Field(
+        True, description="grpo: divide group-centred rewards by the group std (off = Dr.GRPO)."
+    )
+    gamma: float = Field(1.0, description="gae, reinforce_pp: discount factor.")
+    lam: float = Field(1.0, description="gae: lambda.")
+    whiten_advantages: bool = Field(
+        True, description="gae: normalise advantages over the batch's valid tokens."
+    )
     policy_loss: str = Field("clipped", description="Policy loss from rl.algorithms.POLICY_LOSSES.")
-    clip_low: float = Field(0.2, description="PPO ratio clip below 1.")
+    clip_low: float = Field(0.2, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(
-        0.2, description="PPO ratio clip above 1 (clip-higher when > clip_low)."
+        0.2, description="PPO ratio clip above 1 (clip-higher, DAPO, when > clip_low)."
+    )
+    dual_clip: float = Field(
+        0.0,
+        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens (0 = off).",
     )
     loss_agg: str = Field(
-        "token_mean", description="Loss aggregation from rl.algorithms.LOSS_AGGREGATIONS."
+        "token-mean", description="Loss aggregation from rl.algorithms.LOSS_AGGREGATIONS."
     )
     kl_coef: float = Field(
-        0.0, description="Weight of the KL penalty to the frozen reference (0 = no reference)."
+        0.0, description="Weight of the KL to the frozen reference (0 = no reference at all)."
     )
     kl_estimator: str = Field("k3", description="KL estimator from rl.algorithms.KL_ESTIMATORS.")
+    kl_in_reward: bool = Field(
+        False,
+        description="Subtract kl_coef * KL from the per-token rewards (PPO-style) instead of "
+        "adding it to the loss.",
+    )
+    kl_target: float = Field(
+        0.0,
+        description="kl_in_reward: adapt kl_coef towards this per-sequence KL (0 = fixed coef).",
+    )
+    kl_horizon: int = Field(10000, description="Adaptive KL controller horizon (samples).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
+    off_policy: str = Field(
+        "none",
+        description="Importance-sampling correction from rl.algorithms.OFF_POLICY_CORRECTIONS "
+        "(behaviour log-probs recorded at generation vs the proximal policy).",
+    )
+    is_cap: float = Field(2.0, description="Truncated IS: weights capped at this C.")
+    is_low: float = Field(0.5, description="Masked IS: tokens/sequences with weight below dropped.")
+    is_high: float = Field(
+        2.0, description="Masked IS: tokens/sequences with weight above dropped."
+    )
+    recompute_old_logprobs: bool = Field(
+        False,
+        description="Recompute old log-probs with the trainer (the proximal policy of decoupled "
+        "PPO) instead of using the behaviour log-probs; needed for off_policy corrections.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal and generate more prompts until "
+        "the batch is full.",
+    )
+    max_sampling_rounds: int = Field(
+        3, description="Dynamic sampling: most generation rounds per step (then train on fewer)."
+    )
+    overlong_buffer: int = Field(
+        0,
+        description="DAPO overlong shaping: responses longer than max_new_tokens - buffer lose up "
+        "to overlong_penalty, linearly (0 = off).",
+    )
+    overlong_penalty: float = Field(1.0, description="Overlong shaping: the largest penalty.")
+
+
+class CriticConfig(_Section):
+    """The PPO value model: its own FSDP2 group and optimizer (used when advantage=gae)."""
+
+    path: str = Field(
+        "", description="HF checkpoint to initialise from (empty = model.path, the policy)."
+    )
+    num_workers: int = Field(0, description="Critic ranks (0 = trainer.num_workers).")
+    lr: float = Field(1e-5, description="Critic AdamW learning rate.")
+    warmup_steps: int = Field(0, description="Critic linear LR warmup optimizer steps.")
+    max_grad_norm: float = Field(1.0, description="Critic gradient-norm clip.")
+    value_clip: float = Field(
+        0.2, description="Clip new values to old values +- this (0 = no value clipping)."
+    )
+
+
+class RewardTermConfig(_Section):
+    """One reward: a verifier, a user's function or a reward model, with a weight."""
+
+    name: str = Field(
+        "task",
+        description="'task' (the data task's verifier), a registered verifier from "
+        "rl.rewards.VERIFIERS, 'path/to/file.py:function', or 'model:PATH' (HF "
+        "sequence-classification checkpoint).",
+    )
+    weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+
+
+class RewardConfig(_Section):
+    terms: list[RewardTermConfig] = Field(
+        default_factory=lambda: [RewardTermConfig()],
+        description="Rewards summed with their weights.",
+    )
+    timeout_s: float = Field(
+        10.0, description="A reward function slower than this scores 0 for that sample."
+    )
+    on_error: Literal["zero", "fail"] = Field(
+        "zero",
+        description="A reward function that raises or times out: score 0 and count it, or fail.",
+    )
+    num_processes: int = Field(2, description="Worker processes evaluating reward functions.")
+    model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
 
 
 class RunConfig(_Section):
@@ -157,4 +267,6 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
+    reward: RewardConfig = RewardConfig()
     run: RunConfig = RunConfig()

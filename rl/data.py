@@ -89,13 +89,24 @@ def prepare_splits(cfg: DataConfig) -> dict[str, Path]:
 
 
 def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
-    """The `split` ("train" or "test") of `cfg`'s task as a Dataset, preparing it if needed."""
+    """The `split` ("train" or "test") of `cfg`'s task as a Dataset.
+
+    From `data.train_files`/`data.test_files` when given, else generated (and cached).
+    """
     if split not in SPLITS:
         raise ValueError(f"unknown data split {split!r}; valid: {', '.join(SPLITS)}")
-    path = prepare_splits(cfg)[split]
+    files = [Path(f) for f in (cfg.train_files if split == "train" else cfg.test_files)]
+    if files:
+        check_data_files(cfg)
+        builder = "parquet" if files[0].suffix == ".parquet" else "json"
+        data_files, cache_dir = [str(f) for f in files], files[0].parent / ".hf_cache"
+        path = ", ".join(data_files)
+    else:
+        path = prepare_splits(cfg)[split]
+        builder, data_files, cache_dir = "json", str(path), path.parent / ".hf_cache"
     try:
         dataset = datasets.load_dataset(
-            "json", data_files=str(path), split="train", cache_dir=str(path.parent / ".hf_cache")
+            builder, data_files=data_files, split="train", cache_dir=str(cache_dir)
         )
     except Exception as e:  # datasets wraps parse errors in several exception types
         raise ValueError(f"cannot read {split} split at {path}: {e}") from e
@@ -103,6 +114,23 @@ def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     if missing:
         raise ValueError(f"{split} split at {path} lacks columns {sorted(missing)}")
     return dataset
+
+
+def check_data_files(cfg: DataConfig) -> None:
+    """data.train_files/test_files: both or neither, existing, one format (jsonl or parquet)."""
+    if bool(cfg.train_files) != bool(cfg.test_files):
+        raise ValueError(
+            "data.train_files and data.test_files go together: set both (a held-out split is "
+            "needed for evaluation) or neither (generated splits)"
+        )
+    files = [Path(f) for f in [*cfg.train_files, *cfg.test_files]]
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"data file not found: {file}")
+        if file.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(f"data file {file}: expected .jsonl, .json or .parquet")
+    if len({f.suffix == ".parquet" for f in files}) > 1:
+        raise ValueError("data.train_files/test_files mix parquet and json: use one format")
 
 
 class PromptStream:

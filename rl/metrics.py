@@ -36,7 +36,9 @@ class MetricsLogger:
                 mode=cfg.run.wandb_mode,
                 config=cfg.model_dump(),
             )
-        self._bar = tqdm(total=cfg.run.num_steps, desc="grpo", disable=not cfg.run.progress_bar)
+        self._bar = tqdm(
+            total=cfg.run.num_steps, desc=cfg.run.name, disable=not cfg.run.progress_bar
+        )
         self._postfix: dict[str, str] = {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

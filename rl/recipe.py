@@ -23,19 +23,7 @@ class ConfigError(ValueError):
 def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
     """Read `recipe`, apply `overrides` in order, validate. Raises ConfigError."""
     path = Path(recipe)
-    if not path.is_file():
-        raise ConfigError(
-            f"recipe file not found: {path} (recipes live in recipes/, e.g. recipes/grpo_addition_cpu.yaml)"
-        )
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(tree, dict):
-        raise ConfigError(
-            f"{path}: a recipe is a mapping of sections (model:, trainer:, ...), got {type(tree).__name__}"
-        )
-    _check_keys(tree, Config, path, prefix="")
+    tree = _read_recipe(path, chain=())
     for override in overrides:
         key, value = _parse_override(override, path)
         _set_dotted(tree, key, value, path)
@@ -45,6 +33,45 @@ def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(_describe_validation_error(exc, path, overrides)) from None
     check_consistency(config, path)
     return config
+
+
+def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict:
+    """The recipe's tree, merged over the recipe it `extends` (a path relative to it), if any.
+
+    One level of sharing keeps variants (dapo, rloo, ...) to the lines that differ.
+    """
+    if not path.is_file():
+        where = f" (extended by {chain[-1]})" if chain else ""
+        raise ConfigError(
+            f"recipe file not found: {path}{where} (recipes live in recipes/, e.g. "
+            "recipes/grpo_addition_cpu.yaml)"
+        )
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: `extends` loops back to itself through {chain}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"{path}: a recipe is a mapping of sections (model:, trainer:, ...), got {type(tree).__name__}"
+        )
+    parent = tree.pop("extends", None)
+    _check_keys(tree, Config, path, prefix="")
+    if parent is None:
+        return tree
+    base = _read_recipe(path.parent / str(parent), (*chain, path.resolve()))
+    return _deep_merge(base, tree)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _parse_override(override: str, path: Path) -> tuple[str, Any]:
@@ -135,10 +162,7 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
             f"evenly over trainer.num_workers * trainer.num_mini_batches = {per_step}; change one of them"
         )
     _check_registered_names(cfg, path)
-    if cfg.algorithm.group_size < 2:
-        raise ConfigError(
-            f"{path}: algorithm.group_size must be >= 2 for group-normalised advantages"
-        )
+    _check_algorithm(cfg, path)
     for key, value in {
         "trainer.num_workers": cfg.trainer.num_workers,
         "rollout.num_workers": cfg.rollout.num_workers,
@@ -149,9 +173,66 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
             raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
 
 
+# Estimators whose baseline comes from the other responses to the same prompt.
+_GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")
+
+
+def _check_algorithm(cfg: Config, path: Path | str) -> None:
+    algo = cfg.algorithm
+    if algo.group_size < 1:
+        raise ConfigError(f"{path}: algorithm.group_size must be >= 1, got {algo.group_size}")
+    if algo.advantage in _GROUP_BASELINES and algo.group_size < 2:
+        raise ConfigError(
+            f"{path}: algorithm.advantage={algo.advantage} needs algorithm.group_size >= 2 "
+            "(its baseline is the other responses to the same prompt)"
+        )
+    if algo.off_policy != "none" and not algo.recompute_old_logprobs:
+        raise ConfigError(
+            f"{path}: algorithm.off_policy={algo.off_policy} weighs behaviour against proximal "
+            "log-probs; set algorithm.recompute_old_logprobs=true"
+        )
+    if algo.dual_clip and algo.dual_clip <= 1:
+        raise ConfigError(
+            f"{path}: algorithm.dual_clip must be 0 (off) or > 1, got {algo.dual_clip}"
+        )
+    if algo.kl_target > 0 and not (algo.kl_in_reward and algo.kl_coef > 0):
+        raise ConfigError(
+            f"{path}: algorithm.kl_target adapts the KL reward penalty; it needs "
+            "algorithm.kl_in_reward=true and an initial algorithm.kl_coef > 0"
+        )
+    if algo.max_sampling_rounds < 1:
+        raise ConfigError(f"{path}: algorithm.max_sampling_rounds must be >= 1")
+    if not 0 <= algo.overlong_buffer < cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"{path}: algorithm.overlong_buffer={algo.overlong_buffer} must be in "
+            f"[0, rollout.max_new_tokens={cfg.rollout.max_new_tokens})"
+        )
+    from rl.tasks import get_task
+
+    if get_task(cfg.data.task).needs_files and not cfg.data.train_files:
+        raise ConfigError(
+            f"{path}: data.task={cfg.data.task} is read from files: set data.train_files and "
+            "data.test_files (jsonl or parquet with prompt and answer columns)"
+        )
+    if cfg.critic.num_workers < 0:
+        raise ConfigError(f"{path}: critic.num_workers must be >= 0 (0 = trainer.num_workers)")
+    from rl.rewards import check_reward_terms
+
+    try:
+        check_reward_terms(cfg.reward)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: reward.terms: {exc}") from None
+
+
 def _check_registered_names(cfg: Config, path: Path | str) -> None:
     """Names looked up in registries fail here, not after the actors have started."""
-    from rl.algorithms import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from rl.algorithms import (
+        ADVANTAGES,
+        KL_ESTIMATORS,
+        LOSS_AGGREGATIONS,
+        OFF_POLICY_CORRECTIONS,
+        POLICY_LOSSES,
+    )
     from rl.tasks import TASKS
 
     for key, value, registry in (
@@ -160,6 +241,7 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
         ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
         ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
+        ("algorithm.off_policy", cfg.algorithm.off_policy, OFF_POLICY_CORRECTIONS),
     ):
         if value not in registry:
             raise ConfigError(
@@ -187,7 +269,18 @@ def _describe_model(model: type[BaseModel], prefix: str, lines: list[str]) -> No
         lines.append(f"  {prefix}{name}: {type_name} = {default}  # {field.description}")
 
 
-def check_model_path(cfg: Config, path: Path | str) -> None:
+def check_inputs(cfg: Config, path: Path | str) -> None:
+    """The files a run reads exist: the model checkpoint and any data files."""
+    from rl.data import check_data_files
+
+    _check_model_path(cfg, path)
+    try:
+        check_data_files(cfg.data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _check_model_path(cfg: Config, path: Path | str) -> None:
     """model.path must be an HF checkpoint directory, unless the recipe builds its own base."""
     model_dir = Path(cfg.model.path)
     if not model_dir.exists():
@@ -203,3 +296,27 @@ def check_model_path(cfg: Config, path: Path | str) -> None:
             f"{path}: model.path={cfg.model.path!r} has no config.json; it must be a Hugging Face "
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
+
+
+def dry_run_report(cfg: Config, path: Path | str) -> str:
+    """What `rl train --dry-run` prints: the resolved config, the placement, missing inputs.
+
+    Missing inputs are reported, not fatal: GPU recipes name checkpoints and data that live
+    on the cluster, and CI dry-runs every recipe on this machine.
+    """
+    from rl.placement import plan_placement
+
+    try:
+        check_inputs(cfg, path)
+        inputs = "inputs (model.path, data files): ok"
+    except ConfigError as exc:
+        inputs = f"inputs NOT READY HERE: {exc}"
+    return "\n".join(
+        [
+            f"{path}: config ok",
+            cfg.model_dump_json(indent=2),
+            plan_placement(cfg).describe(),
+            inputs,
+            "dry run: nothing started",
+        ]
+    )

@@ -15,12 +15,13 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl.config import Config
+from rl.placement import PlacementPlan, plan_placement
 
 
 @dataclass
 class Placement:
     group: PlacementGroup
-    num_devices: int
+    plan: PlacementPlan
     use_gpu: bool
 
     def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
@@ -53,15 +54,10 @@ def init_ray() -> None:
 
 
 def colocate(cfg: Config, timeout_s: float = 120.0) -> Placement:
-    """Reserve one bundle per device; trainers and rollout engines share them.
-
-    The pool is as large as the larger role needs (each rollout worker spans
-    tensor_parallel_size devices), so on 2 CPUs two trainer ranks and one rollout worker fit.
-    """
+    """Reserve the bundles of `plan_placement(cfg)`; every role shares them."""
     use_gpu = bool(ray.cluster_resources().get("GPU", 0))
-    num_devices = max(
-        cfg.trainer.num_workers, cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
-    )
+    plan = plan_placement(cfg)
+    num_devices = plan.num_devices
     bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
     group = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
@@ -69,8 +65,7 @@ def colocate(cfg: Config, timeout_s: float = 120.0) -> Placement:
         available = ray.available_resources()
         remove_placement_group(group)
         raise RuntimeError(
-            f"could not reserve {num_devices} x {bundle} for trainer.num_workers="
-            f"{cfg.trainer.num_workers} and rollout.num_workers x tensor_parallel_size="
-            f"{cfg.rollout.num_workers}x{cfg.rollout.tensor_parallel_size}; cluster has {available}"
+            f"could not reserve {num_devices} x {bundle} for the placement\n"
+            f"{plan.describe()}\ncluster has {available}"
         )
-    return Placement(group=group, num_devices=num_devices, use_gpu=use_gpu)
+    return Placement(group=group, plan=plan, use_gpu=use_gpu)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -47,10 +47,14 @@ class Batch:
 
     input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
-    loss_mask: torch.Tensor  # [B, T-1] float, 1 on response targets
-    old_logprobs: torch.Tensor  # [B, T-1] float, behaviour or recomputed old-policy log-probs
-    advantages: torch.Tensor  # [B, T-1] float, broadcast over each response
+    loss_mask: torch.Tensor  # [B, T-1] float, 1 on response targets that are trained on
+    behaviour_logprobs: torch.Tensor  # [B, T-1] float, recorded by the rollout engine
+    old_logprobs: torch.Tensor  # [B, T-1] float, the proximal policy: behaviour or recomputed
+    advantages: torch.Tensor  # [B, T-1] float, 0 outside the response
     ref_logprobs: torch.Tensor | None = None  # [B, T-1] float, frozen reference policy
+    is_weights: torch.Tensor | None = None  # [B, T-1] float, off-policy correction (detached)
+    returns: torch.Tensor | None = None  # [B, T-1] float, value targets (PPO critic)
+    old_values: torch.Tensor | None = None  # [B, T-1] float, critic values at generation
 
     @property
     def num_sequences(self) -> int:
@@ -58,14 +62,11 @@ class Batch:
 
     def select(self, index: torch.Tensor | slice) -> Batch:
         """Rows `index` of every tensor (a micro- or mini-batch)."""
-        ref = None if self.ref_logprobs is None else self.ref_logprobs[index]
         return Batch(
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            loss_mask=self.loss_mask[index],
-            old_logprobs=self.old_logprobs[index],
-            advantages=self.advantages[index],
-            ref_logprobs=ref,
+            **{
+                f.name: None if (t := getattr(self, f.name)) is None else t[index]
+                for f in fields(self)
+            }
         )
 
 

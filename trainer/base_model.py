@@ -184,6 +184,7 @@ def build_base(cfg: Config) -> Path:
         torch.set_num_threads(threads)
     info = {
         "task": task.name,
+        "task_params": _task_params(cfg),
         "greedy_accuracy": accuracy,
         "num_test": len(test),
         "sft_steps": stats["steps"],
@@ -199,9 +200,33 @@ def build_base(cfg: Config) -> Path:
     return path
 
 
+def _task_params(cfg: Config) -> dict:
+    """What a base's answer format depends on: the task and its generation parameters."""
+    task = get_task(cfg.data.task)
+    return {"task": task.name} | {field: getattr(cfg.data, field) for field in task.param_fields}
+
+
+def _warn_if_built_for_other_params(path: Path, cfg: Config) -> None:
+    # The path is the user's choice, so a base built for other task parameters (another answer
+    # format) is used as asked, but it will score badly and deserves a loud hint.
+    info_file = path / BASE_INFO
+    if not info_file.exists():
+        return  # not built here (any HF checkpoint)
+    built_for = json.loads(info_file.read_text()).get("task_params")
+    if built_for is not None and built_for != _task_params(cfg):
+        logger.warning(
+            "base model at %s was built for %s but this run uses %s: delete it to rebuild",
+            path,
+            built_for,
+            _task_params(cfg),
+        )
+
+
 def ensure_base(cfg: Config) -> None:
     """Make sure `cfg.model.path` exists, building it when `cfg.base.build_if_missing`."""
-    if Path(cfg.model.path).exists():
+    path = Path(cfg.model.path)
+    if path.exists():
+        _warn_if_built_for_other_params(path, cfg)
         return
     if not cfg.base.build_if_missing:
         raise ValueError(

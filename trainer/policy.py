@@ -1,49 +1,40 @@
 """The policy trainer of one FSDP2 rank: log-probs, PPO/GRPO updates, weight export.
 
-Data parallelism: every rank receives the same full `Batch` and works on its contiguous share
-of rows (`rank_rows`). Every rank must issue the same sequence of FSDP forward/backward calls
-(each one runs collectives), so micro-batch counts come from global sizes, and a rank that runs
-out of rows runs a dummy row with zero loss weight instead of skipping a call.
+Data parallelism, micro-batching with dummy rows and the optimizer step: see `trainer.ranks`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
-from rl.config import Config
+from rl.config import AlgorithmConfig, Config
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
 from trainer.fsdp import LogProbModel, load_sharded
 from trainer.hf_model import save_hf_atomic
+from trainer.ranks import (
+    adamw_with_warmup,
+    check_batching,
+    init_rank,
+    micro_batches,
+    optimizer_step,
+    rank_rows,
+)
+from trainer.ranks import even_slices as _even_slices
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref")
 
 
-def rank_rows(num_rows: int, rank: int, world_size: int) -> slice:
-    """Rows of a `num_rows` batch that `rank` owns: contiguous, sizes differ by at most one.
-
-    The first `num_rows % world_size` ranks get one extra row, so concatenating the ranks'
-    outputs in rank order restores the batch order. The driver uses this to reassemble.
-    """
-    base, extra = divmod(num_rows, world_size)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
-
-
-def _even_slices(num_rows: int, parts: int) -> list[slice]:
-    """`num_rows` split into `parts` contiguous near-equal slices (as `rank_rows`)."""
-    return [rank_rows(num_rows, i, parts) for i in range(parts)]
+def _kl_in_loss(cfg: AlgorithmConfig) -> bool:
+    return cfg.kl_coef > 0 and not cfg.kl_in_reward
 
 
 class PolicyTrainer:
@@ -57,75 +48,30 @@ class PolicyTrainer:
                 f"rollout.temperature={cfg.rollout.temperature}: trainer log-probs need a "
                 "temperature > 0"
             )
-        if cfg.trainer.micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} < 1")
-        if cfg.trainer.num_mini_batches < 1:
-            raise ValueError(f"trainer.num_mini_batches={cfg.trainer.num_mini_batches} < 1")
-        if cfg.trainer.num_epochs < 1:
-            raise ValueError(f"trainer.num_epochs={cfg.trainer.num_epochs} < 1")
+        check_batching(cfg.trainer)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
-            backend = "cpu:gloo,cuda:nccl"
-        else:
-            self.device = torch.device("cpu")
-            torch.set_num_threads(cfg.trainer.num_threads)
-            backend = "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
+        self.device, mesh = init_rank(
+            rank, world_size, master_addr, master_port, cfg.trainer.num_threads
         )
-        mesh = init_device_mesh(self.device.type, (world_size,))
         chunk = cfg.trainer.logprob_chunk_size
         self.policy = load_sharded(cfg.model, mesh, chunk, trainable=True)
         self.reference: LogProbModel | None = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = load_sharded(cfg.model, mesh, chunk, trainable=False)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer, self.scheduler = adamw_with_warmup(
             self.policy.parameters(),
-            lr=cfg.trainer.lr,
-            betas=cfg.trainer.betas,
-            weight_decay=cfg.trainer.weight_decay,
+            cfg.trainer.lr,
+            cfg.trainer.betas,
+            cfg.trainer.weight_decay,
+            cfg.trainer.warmup_steps,
         )
-        warmup = cfg.trainer.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
-
-    def _num_micro_batches(self, num_rows: int) -> int:
-        """Forward calls for a `num_rows` batch: set by the rank with the most rows."""
-        most_rows = math.ceil(num_rows / self.world_size)
-        return max(1, math.ceil(most_rows / self.cfg.trainer.micro_batch_size))
 
     def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
-        """(micro-batch on device, is_real) for this rank's rows; the same count on every rank.
-
-        A rank short of rows gets a dummy micro-batch (the batch's first row with an empty
-        loss mask) so that it still takes part in every FSDP collective.
-        """
-        assert batch.num_sequences > 0, "empty batch"
-        mine = rank_rows(batch.num_sequences, self.rank, self.world_size)
-        size = self.cfg.trainer.micro_batch_size
-        for i in range(self._num_micro_batches(batch.num_sequences)):
-            start = mine.start + i * size
-            stop = min(start + size, mine.stop)
-            if start < stop:
-                yield self._to_device(batch.select(slice(start, stop))), True
-            else:
-                row = batch.select(slice(0, 1))
-                dummy = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
-                yield self._to_device(dummy), False
-
-    def _to_device(self, batch: Batch) -> Batch:
-        moved = {
-            f.name: None if (t := getattr(batch, f.name)) is None else t.to(self.device)
-            for f in dataclasses.fields(batch)
-        }
-        return Batch(**moved)
+        """(micro-batch on device, is_real) for this rank's rows (`trainer.ranks.micro_batches`)."""
+        return micro_batches(
+            batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
+        )
 
     def _forward(self, model: LogProbModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return model(batch.input_ids, batch.attention_mask, self.cfg.rollout.temperature)
@@ -168,13 +114,14 @@ class PolicyTrainer:
         """
         algo = self.cfg.algorithm
         mine = batch.select(rank_rows(batch.num_sequences, self.rank, self.world_size))
-        denominator = loss_weights(algo, mine.loss_mask.to(self.device)).sum().reshape(1)
+        max_len = self.cfg.rollout.max_new_tokens
+        denominator = loss_weights(algo, mine.loss_mask.to(self.device), max_len)[1].reshape(1)
         dist.all_reduce(denominator)
         denominator = denominator.item() if denominator.item() > 0 else 1.0  # empty: loss is 0
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
         for micro, _ in self._micro_batches(batch):
             logprob, entropy = self._forward(self.policy, micro)
-            loss, metrics = policy_objective(algo, logprob, entropy, micro, denominator)
+            loss, metrics = policy_objective(algo, logprob, entropy, micro, max_len, denominator)
             (loss * self.world_size).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
@@ -185,23 +132,16 @@ class PolicyTrainer:
         dist.all_reduce(sums)
         tokens = sums[-1].clamp(min=1.0)
         out = {name: (sums[i] / tokens).item() for i, name in enumerate(_TOKEN_METRICS)}
-        if algo.kl_coef <= 0:
+        if not _kl_in_loss(algo):
             del out["kl_ref"]
         out.update(loss=sums[-2].item(), tokens=sums[-1].item())
         return out
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, step, zero grads. Returns (pre-clip global grad norm, lr used)."""
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(grad_norm, DTensor):  # partial norms of the shards -> the global norm
-            grad_norm = grad_norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.max_grad_norm, grad_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item(), lr
+        return optimizer_step(
+            self.policy, self.optimizer, self.scheduler, self.cfg.trainer.max_grad_norm
+        )
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """trainer.num_epochs passes over `batch`, trainer.num_mini_batches optimizer steps each.
@@ -232,7 +172,7 @@ class PolicyTrainer:
                 steps += 1
         seconds = time.perf_counter() - start
         out = {f"actor/{name}": value / max(tokens, 1.0) for name, value in totals.items()}
-        if self.cfg.algorithm.kl_coef <= 0:
+        if not _kl_in_loss(self.cfg.algorithm):
             del out["actor/kl_ref"]
         real_tokens = batch.attention_mask.sum().item() * self.cfg.trainer.num_epochs
         out.update(

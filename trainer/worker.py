@@ -29,11 +29,7 @@ class TrainWorker:
         self.trainer: PolicyTrainer | None = None
 
     def get_master_addr_port(self) -> tuple[str, int]:
-        """This node's IP and a port free on it, for rank 0 to host the rendezvous."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return rendezvous_address()
 
     def init_trainer(self, master_addr: str, master_port: int) -> None:
         """Build the PolicyTrainer; blocks until all ranks have joined."""
@@ -80,27 +76,34 @@ class TrainWorker:
         }
 
 
-def create_train_group(
-    cfg: Config,
-    placement_group: PlacementGroup | None,
-    bundle_indices: list[int] | None = None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-) -> list[ActorHandle]:
-    """Start trainer.num_workers TrainWorker ranks and wait until they form one group.
+def rendezvous_address() -> tuple[str, int]:
+    """This node's IP and a port free on it, for a group's rank 0 to host the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
 
-    Rank r goes to bundle `bundle_indices[r]` of `placement_group` (default: bundle r), or
-    anywhere when `placement_group` is None. `num_cpus`/`num_gpus` are each rank's share of
-    its bundle (fractions when roles are colocated). Returns the handles in rank order.
+
+def start_rank_group(
+    actor_class: type,
+    cfg: Config,
+    world_size: int,
+    placement_group: PlacementGroup | None,
+    bundle_indices: list[int] | None,
+    num_cpus: float,
+    num_gpus: float,
+) -> list[ActorHandle]:
+    """Start `world_size` ranks of `actor_class` and wait until they form one process group.
+
+    The actor class takes (cfg, rank, world_size) and has `get_master_addr_port()` and
+    `init_trainer(addr, port)`. Rank r goes to bundle `bundle_indices[r]` of `placement_group`
+    (default: bundle r), or anywhere when `placement_group` is None. `num_cpus`/`num_gpus` are
+    each rank's share of its bundle (fractions when roles are colocated). Returns the handles
+    in rank order.
     """
-    world_size = cfg.trainer.num_workers
-    if world_size < 1:
-        raise ValueError(f"trainer.num_workers={world_size} < 1")
     indices = list(range(world_size)) if bundle_indices is None else bundle_indices
     if len(indices) != world_size:
-        raise ValueError(
-            f"trainer.num_workers={world_size} ranks but {len(indices)} bundle indices"
-        )
+        raise ValueError(f"{world_size} ranks but {len(indices)} bundle indices")
     workers = []
     for rank, index in enumerate(indices):
         options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
@@ -108,7 +111,23 @@ def create_train_group(
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=index
             )
-        workers.append(TrainWorker.options(**options).remote(cfg, rank, world_size))
+        workers.append(actor_class.options(**options).remote(cfg, rank, world_size))
     addr, port = ray.get(workers[0].get_master_addr_port.remote())
     ray.get([w.init_trainer.remote(addr, port) for w in workers])
     return workers
+
+
+def create_train_group(
+    cfg: Config,
+    placement_group: PlacementGroup | None,
+    bundle_indices: list[int] | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+) -> list[ActorHandle]:
+    """Start the trainer.num_workers TrainWorker ranks (see `start_rank_group`)."""
+    world_size = cfg.trainer.num_workers
+    if world_size < 1:
+        raise ValueError(f"trainer.num_workers={world_size} < 1")
+    return start_rank_group(
+        TrainWorker, cfg, world_size, placement_group, bundle_indices, num_cpus, num_gpus
+    )

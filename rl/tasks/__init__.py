@@ -21,6 +21,8 @@ class Task:
     name: ClassVar[str]
     # DataConfig fields that change what `generate` produces (they key the cached splits).
     param_fields: ClassVar[tuple[str, ...]] = ()
+    # True when examples come only from data.train_files/test_files (nothing to generate).
+    needs_files: ClassVar[bool] = False
 
     def generate(self, cfg: DataConfig, num: int, rng: random.Random) -> list[dict]:
         """`num` examples drawn with `rng` (duplicates possible; splits dedupe by prompt)."""
@@ -37,4 +39,4 @@ def get_task(name: str) -> Task:
 
 
 # Imported for their registration side effect; placed last because they subclass Task.
-from rl.tasks import addition, countdown  # noqa: E402, F401
+from rl.tasks import addition, countdown, math_answers  # noqa: E402, F401

@@ -35,7 +35,7 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "held-out greedy accuracy before RL:" in result.stdout
-    assert "before ->" in result.stdout and "after 3 GRPO steps" in result.stdout
+    assert "before ->" in result.stdout and "after 3 steps" in result.stdout
 
     base_info = json.loads((tmp_path / "base" / "base_info.json").read_text())
     assert base_info["sft_steps"] <= 60

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,9 @@ def test_ensure_base_refuses_to_guess(tmp_path: Path) -> None:
     assert not (tmp_path / "base").exists()
 
 
-def test_ensure_base_builds_a_loadable_checkpoint(tmp_path: Path) -> None:
+def test_ensure_base_builds_a_loadable_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = _tiny_config(tmp_path, build_if_missing=True)
     ensure_base(cfg)
     path = Path(cfg.model.path)
@@ -64,10 +67,16 @@ def test_ensure_base_builds_a_loadable_checkpoint(tmp_path: Path) -> None:
     accuracy = greedy_accuracy(model, tokenizer, get_task("addition"), test, max_new_tokens=6)
     assert accuracy == info["greedy_accuracy"]
 
-    # An existing checkpoint is left alone.
+    # An existing checkpoint is left alone, but flagged if built for another answer format.
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    ensure_base(cfg)
+    with caplog.at_level(logging.WARNING, logger="trainer.base_model"):
+        ensure_base(cfg)
+        assert not caplog.text
+        ensure_base(
+            cfg.model_copy(update={"data": cfg.data.model_copy(update={"zero_pad": False})})
+        )
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert "'zero_pad': True" in caplog.text and "delete it to rebuild" in caplog.text
 
 
 class _Oracle:

@@ -1,4 +1,8 @@
-"""Two GRPO steps through the whole stack: real Ray, vLLM on CPU, a 2-rank FSDP2 gloo group."""
+"""Two-step runs through the whole stack: real Ray, vLLM on CPU, 2-rank FSDP2 gloo groups.
+
+GRPO (with a faulty user reward term alongside the task's) and PPO (critic, reference, KL in
+the reward, recomputed proximal log-probs with truncated importance sampling) share one base.
+"""
 
 from __future__ import annotations
 
@@ -17,57 +21,91 @@ from rl.driver import train
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def two_step_config(tmp_path: Path) -> Config:
+# Raises on responses starting with "1" and hangs on its first call: the run must go on.
+FAULTY_REWARD = """
+import os
+import time
+
+
+def flaky(response, example):
+    if not os.path.exists(MARKER):
+        open(MARKER, "w").close()
+        time.sleep(1000)
+    if response.startswith("1"):
+        raise RuntimeError("boom")
+    return 0.0
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("driver")
+
+
+def _config(shared: Path, tmp_path: Path, name: str, **sections: dict) -> Config:
     # A random model never solves a prompt, so every advantage would be 0 and nothing would
-    # train: the run builds (base.build_if_missing) a small SFT base that is right part of
-    # the time on 2-digit addition, so rewards within a group differ.
-    return Config.model_validate(
-        {
-            "model": {"path": str(tmp_path / "base")},
-            "base": {
-                "build_if_missing": True,
-                "hidden_size": 64,
-                "num_layers": 2,
-                "num_heads": 2,
-                "num_kv_heads": 1,
-                "intermediate_size": 128,
-                "sft_steps": 400,
-                "sft_target_accuracy": 0.3,
-            },
-            "data": {
-                "task": "addition",
-                "num_digits": 2,
-                "dir": str(tmp_path / "data"),
-                "num_train": 2000,
-                "num_test": 20,
-            },
-            "rollout": {"num_workers": 1, "kv_cache_gb": 0.25, "max_new_tokens": 6},
-            "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
-            "algorithm": {"group_size": 8},
-            "run": {
-                "name": "two-steps",
-                "output_dir": str(tmp_path / "runs"),
-                "num_steps": 2,
-                "prompts_per_step": 8,
-                "eval_every": 0,
-                "num_eval_prompts": 8,
-                "wandb_mode": "disabled",
-                "progress_bar": False,
-            },
-        }
-    )
+    # train: the first run builds (base.build_if_missing) a small SFT base, right part of the
+    # time on 2-digit addition, that later runs reuse.
+    tree = {
+        "model": {"path": str(shared / "base")},
+        "base": {
+            "build_if_missing": True,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "intermediate_size": 128,
+            "sft_steps": 400,
+            "sft_target_accuracy": 0.3,
+        },
+        "data": {
+            "task": "addition",
+            "num_digits": 2,
+            "dir": str(shared / "data"),
+            "num_train": 2000,
+            "num_test": 20,
+        },
+        "rollout": {"num_workers": 1, "kv_cache_gb": 0.25, "max_new_tokens": 6},
+        "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
+        "algorithm": {"group_size": 8},
+        "run": {
+            "name": name,
+            "output_dir": str(tmp_path / "runs"),
+            "num_steps": 2,
+            "prompts_per_step": 8,
+            "eval_every": 0,
+            "num_eval_prompts": 8,
+            "wandb_mode": "disabled",
+            "progress_bar": False,
+        },
+    }
+    for section, values in sections.items():
+        tree[section] = {**tree.get(section, {}), **values}
+    return Config.model_validate(tree)
 
 
-def test_two_grpo_steps_update_weights_and_advance_the_rollout_version(
-    two_step_config: Config,
-) -> None:
+def _run(cfg: Config) -> tuple[dict[str, float], list[dict]]:
     try:
-        final = train(two_step_config)
+        final = train(cfg)
     finally:
         ray.shutdown()
-    run_dir = Path(two_step_config.run.output_dir) / "two-steps"
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return final, records
+
+
+def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    reward_file = tmp_path / "faulty_reward.py"
+    reward_file.write_text(f"MARKER = {str(tmp_path / 'hung')!r}\n{FAULTY_REWARD}")
+    reward = {
+        "terms": [{"name": "task"}, {"name": f"{reward_file}:flaky", "weight": 0.5}],
+        "timeout_s": 1.0,
+    }
+    cfg = _config(shared_dir, tmp_path, "two-steps", reward=reward)
+    final, records = _run(cfg)
+    run_dir = Path(cfg.run.output_dir) / "two-steps"
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
     for record in records[1:]:
@@ -77,8 +115,41 @@ def test_two_grpo_steps_update_weights_and_advance_the_rollout_version(
     assert 0.0 <= final["eval/accuracy"] <= 1.0
 
     assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
-    before = load_file(Path(two_step_config.model.path) / "model.safetensors")
+    # Every sample was scored by the task; the faulty term's failures were counted, not fatal.
+    assert sum(r["reward/errors"] for r in records[1:]) > 0
+    assert sum(r["reward/timeouts"] for r in records[1:]) > 0
+    before = load_file(Path(cfg.model.path) / "model.safetensors")
     after = load_file(run_dir / "hf" / "model.safetensors")
     assert before.keys() == after.keys()
     changed = [name for name in before if not torch.equal(before[name], after[name])]
     assert "lm_head.weight" in changed and len(changed) > len(before) // 2
+
+
+def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "ppo",
+        algorithm={
+            "advantage": "gae",
+            "lam": 0.95,
+            "kl_coef": 0.01,
+            "kl_in_reward": True,
+            "kl_target": 0.01,
+            "recompute_old_logprobs": True,
+            "off_policy": "token-tis",
+        },
+        critic={"lr": 1e-3},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        for key in ("critic/value_loss", "critic/grad_norm", "kl/coef", "actor/pg_loss"):
+            assert record[key] is not None and math.isfinite(record[key]), key
+        # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
+        assert record["off_policy/max_abs_logprob_gap"] < 1e-3
+        assert record["off_policy/kept_token_frac"] == 1.0
+    assert records[2]["kl/coef"] != records[1]["kl/coef"]  # adaptive
+    assert final["rollout/version"] == 2

@@ -61,7 +61,7 @@ def _make_batch(model, num_rows: int, seq_len: int, seed: int) -> Batch:
     input_ids = torch.randint(1, vocab, (num_rows, seq_len), generator=gen) * attention_mask
     targets = steps[1:]
     loss_mask = ((targets >= prompt_lens[:, None]) & (targets < lengths[:, None])).float()
-    batch = Batch(input_ids, attention_mask, loss_mask, loss_mask, loss_mask)
+    batch = Batch(input_ids, attention_mask, loss_mask, loss_mask, loss_mask, loss_mask)
     with torch.no_grad():
         logprobs, _ = _hf_logprobs(model, batch)
     noise = torch.randn(2, num_rows, seq_len - 1, generator=gen)
@@ -73,7 +73,12 @@ def _make_batch(model, num_rows: int, seq_len: int, seed: int) -> Batch:
 
 # ---- exact data parallelism, without Ray -------------------------------------------------
 
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGS = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> None:
@@ -118,8 +123,11 @@ def test_two_ranks_with_micro_batches_equal_one_full_batch(
     for agg in LOSS_AGGS:
         cfg.algorithm.loss_agg = agg
         model.zero_grad()
-        denominator = loss_weights(cfg.algorithm, batch.loss_mask).sum().item()
-        loss, metrics = policy_objective(cfg.algorithm, logprobs, entropy, batch, denominator)
+        max_len = cfg.rollout.max_new_tokens
+        denominator = loss_weights(cfg.algorithm, batch.loss_mask, max_len)[1].item()
+        loss, metrics = policy_objective(
+            cfg.algorithm, logprobs, entropy, batch, max_len, denominator
+        )
         loss.backward(retain_graph=True)
         for result in ranks:  # metrics are all-reduced: identical on every rank
             got = result["metrics"][agg]

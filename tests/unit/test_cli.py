@@ -70,15 +70,42 @@ def test_missing_model_path_says_how_to_build_it() -> None:
     [
         "trainer.num_mini_batches=5",
         "algorithm.group_size=1",
-        "algorithm.kl_estimator=k2",
+        "algorithm.kl_estimator=k4",
         "algorithm.loss_agg=sum",
+        "algorithm.off_policy=token-tis",  # needs recompute_old_logprobs
+        "algorithm.off_policy=is",
+        "algorithm.dual_clip=0.5",
+        "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef
+        "algorithm.overlong_buffer=8",
+        "data.task=math",  # needs data files
         "data.task=multiplication",
+        "reward.terms=[{name: nope}]",
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
     result = run_cli("train", DEMO, override)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
+
+
+RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_dry_runs_without_starting_anything(recipe: str) -> None:
+    result = run_cli("train", recipe, "--dry-run")  # the probe fails if ray/vllm were imported
+    assert result.returncode == 0, result.stderr
+    assert f"{recipe}: config ok" in result.stdout
+    assert "colocate:" in result.stdout and "trainer: " in result.stdout
+    assert "dry run: nothing started" in result.stdout
+
+
+def test_dry_run_reports_missing_inputs_without_failing() -> None:
+    result = run_cli(
+        "train", DEMO, "--dry-run", "model.path=/nowhere", "base.build_if_missing=false"
+    )
+    assert result.returncode == 0
+    assert "inputs NOT READY HERE" in result.stdout and "/nowhere" in result.stdout
 
 
 def test_help_config_lists_every_key_with_type_default_and_description() -> None:

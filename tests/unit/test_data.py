@@ -41,6 +41,9 @@ def test_split_dir_keys_only_relevant_params(tmp_path: Path) -> None:
     base = _cfg(tmp_path)
     assert split_dir(base) == split_dir(_cfg(tmp_path, num_operands=4))  # countdown-only field
     assert split_dir(base) != split_dir(_cfg(tmp_path, num_digits=2))
+    assert split_dir(base) != split_dir(_cfg(tmp_path, zero_pad=False))
+    countdown = _cfg(tmp_path, task="countdown")
+    assert split_dir(countdown) == split_dir(_cfg(tmp_path, task="countdown", zero_pad=False))
     assert split_dir(base).name.startswith("addition-")
 
 
@@ -92,6 +95,47 @@ def test_load_split_rejects_bad_files(tmp_path: Path) -> None:
     paths["test"].write_text('{"question": "1+1"}\n')
     with pytest.raises(ValueError, match=r"test split .* lacks columns \['answer', 'prompt'\]"):
         load_split(cfg, "test")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_load_split_reads_user_files_instead_of_generating(tmp_path: Path, suffix: str) -> None:
+    import datasets
+
+    rows = {
+        "train": [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)],
+        "test": [{"prompt": "t", "answer": "1"}],
+    }
+    files = {}
+    for split, split_rows in rows.items():
+        files[split] = tmp_path / f"{split}{suffix}"
+        if suffix == ".parquet":
+            datasets.Dataset.from_list(split_rows).to_parquet(str(files[split]))
+        else:
+            files[split].write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+    cfg = DataConfig(
+        task="math",
+        dir=str(tmp_path / "generated"),
+        train_files=[str(files["train"])],
+        test_files=[str(files["test"])],
+    )
+    assert [r["prompt"] for r in load_split(cfg, "train")] == [f"q{i}" for i in range(5)]
+    assert list(load_split(cfg, "test")) == rows["test"]
+    assert not (tmp_path / "generated").exists()  # nothing generated
+
+
+def test_data_file_errors_name_the_key_or_file(tmp_path: Path) -> None:
+    existing = tmp_path / "train.jsonl"
+    existing.write_text('{"prompt": "p", "answer": "a"}\n')
+    with pytest.raises(ValueError, match="go together"):
+        data.check_data_files(DataConfig(train_files=[str(existing)]))
+    with pytest.raises(ValueError, match="data file not found: .*nope.jsonl"):
+        data.check_data_files(
+            DataConfig(train_files=[str(existing)], test_files=[str(tmp_path / "nope.jsonl")])
+        )
+    csv = tmp_path / "test.csv"
+    csv.write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="expected .jsonl, .json or .parquet"):
+        data.check_data_files(DataConfig(train_files=[str(existing)], test_files=[str(csv)]))
 
 
 def test_prompt_stream_epochs_cover_the_data_in_seeded_order() -> None:

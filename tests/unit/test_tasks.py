@@ -12,8 +12,8 @@ from rl.tasks.countdown import evaluate_expression
 
 
 def test_registry_lists_valid_names() -> None:
-    assert TASKS.names() == ["addition", "countdown"]
-    with pytest.raises(ValueError, match="addition, countdown"):
+    assert TASKS.names() == ["addition", "countdown", "math"]
+    with pytest.raises(ValueError, match="addition, countdown, math"):
         get_task("subtraction")
 
 
@@ -31,21 +31,25 @@ def test_generate_is_deterministic_and_self_consistent(name: str) -> None:
 
 
 @pytest.mark.parametrize("digits", [1, 3, 5])
-def test_addition_operands_have_the_configured_digits(digits: int) -> None:
-    for example in get_task("addition").generate(
-        DataConfig(num_digits=digits), 30, random.Random(0)
-    ):
+@pytest.mark.parametrize("zero_pad", [True, False])
+def test_addition_operands_and_answers(digits: int, zero_pad: bool) -> None:
+    cfg = DataConfig(num_digits=digits, zero_pad=zero_pad)
+    for example in get_task("addition").generate(cfg, 30, random.Random(0)):
         a, b = example["prompt"].split("+")
         assert len(a) == len(b) == digits
-        assert example["answer"] == str(int(a) + int(b))
+        assert int(example["answer"]) == int(a) + int(b)
+        if zero_pad:  # one digit wider than the operands, whatever the carry
+            assert len(example["answer"]) == digits + 1
+        else:
+            assert example["answer"] == str(int(a) + int(b))
 
 
 @pytest.mark.parametrize(
     ("response", "reward"),
-    [("579", 1.0), (" 579\n", 1.0), ("5 79", 0.0), ("0579", 0.0), ("579.", 0.0), ("", 0.0)],
+    [("0579", 1.0), (" 0579\n", 1.0), ("579", 0.0), ("0 579", 0.0), ("0579.", 0.0), ("", 0.0)],
 )
 def test_addition_score(response: str, reward: float) -> None:
-    assert get_task("addition").score(response, {"prompt": "123+456", "answer": "579"}) == reward
+    assert get_task("addition").score(response, {"prompt": "123+456", "answer": "0579"}) == reward
 
 
 @pytest.mark.parametrize("num_operands", [3, 4])
@@ -110,3 +114,13 @@ def test_ast_walker_rejects_non_arithmetic_nodes() -> None:
             evaluate_expression(text)
     with pytest.raises(ZeroDivisionError):
         evaluate_expression("1/(2-2)")
+
+
+def test_math_task_reads_files_and_checks_answers_by_value() -> None:
+    task = get_task("math")
+    assert task.needs_files
+    with pytest.raises(ValueError, match="data.train_files"):
+        task.generate(DataConfig(task="math"), 1, random.Random(0))
+    example = {"prompt": "Half of one?", "answer": "0.5"}
+    assert task.score("so the answer is \\boxed{\\frac{1}{2}}", example) == 1.0
+    assert task.score("\\boxed{0.25}", example) == 0.0

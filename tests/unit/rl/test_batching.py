@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.batching import build_batch
+from rl.batching import build_batch, token_rewards
 from rl.types import Sample
 
 
@@ -25,14 +25,17 @@ def test_response_targets_are_masked_and_carry_behaviour_logprobs() -> None:
             policy_version=0,
         ),
     ]
-    batch = build_batch(samples, torch.tensor([2.0, -1.0]), pad_id=0)
+    batch = build_batch(samples, pad_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 4, 1, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     # Target t predicts token t+1: the first response token is predicted from the last prompt token.
     assert batch.loss_mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
-    assert torch.allclose(batch.old_logprobs[0], torch.tensor([0.0, -0.1, -0.2, -0.3]))
-    assert torch.allclose(batch.old_logprobs[1], torch.tensor([0.0, 0.0, -0.5, 0.0]))
-    assert batch.advantages.tolist() == [[0, 2, 2, 2], [0, 0, -1, 0]]
+    assert torch.allclose(batch.behaviour_logprobs[0], torch.tensor([0.0, -0.1, -0.2, -0.3]))
+    assert torch.allclose(batch.behaviour_logprobs[1], torch.tensor([0.0, 0.0, -0.5, 0.0]))
+    # The proximal policy starts as the behaviour policy, in its own tensor.
+    assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)
+    assert batch.old_logprobs.data_ptr() != batch.behaviour_logprobs.data_ptr()
+    assert batch.advantages.tolist() == [[0, 0, 0, 0], [0, 0, 0, 0]]
 
 
 def test_select_takes_the_same_rows_of_every_tensor() -> None:
@@ -46,8 +49,15 @@ def test_select_takes_the_same_rows_of_every_tensor() -> None:
         )
         for i in range(1, 5)
     ]
-    batch = build_batch(samples, torch.arange(4.0), pad_id=0)
+    batch = build_batch(samples, pad_id=0)
     part = batch.select(slice(1, 3))
     assert part.num_sequences == 2
     assert part.input_ids[:, 1].tolist() == [2, 3]
     assert part.old_logprobs[:, 0].tolist() == [-2.0, -3.0]
+
+
+def test_token_rewards_put_each_score_on_the_last_response_token() -> None:
+    loss_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    rewards = token_rewards(torch.tensor([2.0, -1.0, 5.0]), loss_mask)
+    # The third row has no response: its score lands nowhere.
+    assert rewards.tolist() == [[0, 0, 0, 2], [0, 0, -1, 0], [0, 0, 0, 0]]

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_shipped_recipe_validates() -> None:
-    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    recipes = sorted((REPO / "recipes").rglob("*.yaml"))
     assert recipes
     for recipe in recipes:
         load_config(recipe)
@@ -43,3 +43,26 @@ def test_non_mapping_recipe_is_rejected(tmp_path: Path) -> None:
     recipe.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="a recipe is a mapping"):
         load_config(recipe)
+
+
+def test_extends_merges_the_child_over_its_parent(tmp_path: Path) -> None:
+    (tmp_path / "parent.yaml").write_text(
+        "model:\n  path: m\ntrainer:\n  lr: 0.1\n  num_epochs: 2\nrun:\n  name: parent\n"
+    )
+    (tmp_path / "child.yaml").write_text("extends: parent.yaml\ntrainer:\n  lr: 0.2\n")
+    cfg = load_config(tmp_path / "child.yaml", ["run.name=override"])
+    assert (cfg.trainer.lr, cfg.trainer.num_epochs) == (0.2, 2)
+    assert cfg.model.path == "m" and cfg.run.name == "override"
+
+
+def test_extends_errors_name_the_files(tmp_path: Path) -> None:
+    (tmp_path / "child.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing.yaml \(extended by .*child.yaml\)"):
+        load_config(tmp_path / "child.yaml")
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "typo.yaml").write_text("extends: child2.yaml\ntrainer:\n  lrr: 1\n")
+    (tmp_path / "child2.yaml").write_text("model:\n  path: m\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: unknown key 'trainer.lrr'"):
+        load_config(tmp_path / "typo.yaml")

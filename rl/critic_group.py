@@ -1,0 +1,49 @@
+"""The driver's view of the critic: W CriticWorker actors (PPO's value model) that act as one."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from rl.config import Config
+from rl.scheduler import Placement
+from rl.types import Batch
+from trainer.critic_worker import create_critic_group, critic_world_size
+
+
+class CriticGroup:
+    """Critic ranks colocated with the trainer: rank r shares the bundle the plan gives it."""
+
+    def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
+        # The plan names the critic's bundles when it was made for PPO; else rank r -> bundle r.
+        bundles = placement.plan.roles.get("critic") or list(range(critic_world_size(cfg)))
+        if max(bundles) >= placement.plan.num_devices:
+            raise ValueError(
+                f"{len(bundles)} critic ranks (critic.num_workers={cfg.critic.num_workers}) need "
+                f"bundles {bundles}, but only {placement.plan.num_devices} devices are reserved"
+            )
+        share = 1.0 / num_roles_sharing
+        self.workers = create_critic_group(
+            cfg,
+            placement.group,
+            bundle_indices=bundles,
+            num_cpus=share,
+            num_gpus=share if placement.use_gpu else 0.0,
+        )
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values [B, T-1] (fp32, CPU) of `batch`, 0 outside its loss_mask."""
+        batch_ref = ray.put(batch)
+        parts = ray.get([w.compute_values.remote(batch_ref) for w in self.workers])
+        return torch.cat(parts, dim=0)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """Fit the values to batch.returns; critic/* metrics, already reduced over ranks."""
+        batch_ref = ray.put(batch)
+        return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
+
+    def close(self) -> None:
+        """Leave the process group and stop the actors (the last call on this object)."""
+        ray.get([w.close.remote() for w in self.workers])
+        for worker in self.workers:
+            ray.kill(worker)

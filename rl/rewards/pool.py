@@ -1,0 +1,201 @@
+"""Worker processes that evaluate reward functions with a per-item timeout.
+
+User code can raise, hang in a loop or a C call, or kill its process; none of that may stop
+training. Each worker (`rl.rewards.pool_worker`) is a fresh interpreter, not a fork of the
+driver (whose Ray and torch threads a fork would copy mid-lock), that loads the function terms
+once and then scores chunks of items, sending one result per item. Results arrive in order, so
+the driver knows when each item started: when the previous one's result arrived. An item past
+its deadline costs its worker, which is killed and replaced; the items queued behind it go to
+the other workers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Literal
+
+import rl
+from rl.rewards.terms import FunctionTerm
+
+# (term index, response, example)
+Item = tuple[int, str, dict]
+MAX_CHUNK = 64  # items per message; chunks shrink as the queue drains, to balance the workers
+STARTUP_TIMEOUT_S = 120.0  # a worker imports the terms' modules (sympy for `math`) at start
+_REPO_ROOT = str(Path(rl.__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An item that raised ("error") or missed its deadline ("timeout")."""
+
+    kind: Literal["error", "timeout"]
+    cause: str
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    conn: Connection
+    started_at: float
+    kill: weakref.finalize  # kills the process now, or at the driver's exit at the latest
+    ready: bool = False
+    busy_since: float = 0.0  # when the item at the head of `outstanding` started
+    outstanding: deque[int] = field(default_factory=deque)
+
+
+class FunctionPool:
+    """`num_processes` workers scoring `Item`s against `terms`, each item within `timeout_s`."""
+
+    def __init__(self, terms: list[FunctionTerm], num_processes: int, timeout_s: float) -> None:
+        if num_processes < 1:
+            raise ValueError(f"reward.num_processes must be >= 1, got {num_processes}")
+        self._terms = terms
+        self._timeout_s = timeout_s
+        self._workers = [self._start() for _ in range(num_processes)]
+        # Wait here, so that a broken term fails before any training work starts.
+        try:
+            while not all(w.ready for w in self._workers):
+                self._receive(time.monotonic(), [], deque())
+                self._expire(time.monotonic(), [], deque())
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, items: list[Item], fail_fast: bool = False) -> list[float | Failure | None]:
+        """One result per item: its score or a `Failure`.
+
+        With `fail_fast`, stops at the first failure: the workers are replaced (abandoning
+        their queues) and items not scored yet are None.
+        """
+        results: list[float | Failure | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        try:
+            while pending or any(w.outstanding for w in self._workers):
+                now = time.monotonic()
+                self._dispatch(items, pending, now)
+                self._receive(now, results, pending)
+                self._expire(time.monotonic(), results, pending)
+                if fail_fast and any(isinstance(r, Failure) for r in results):
+                    self._restart_all()
+                    break
+        except BaseException:
+            # Interrupted mid-batch: stale results must not reach the next call.
+            self._restart_all()
+            raise
+        return results
+
+    def close(self) -> None:
+        """Stop the workers: idle ones exit on EOF, busy ones are killed."""
+        for w in self._workers:
+            w.conn.close()
+        for w in self._workers:
+            try:
+                w.process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass  # busy: killed below
+            w.kill()  # also drops its exit hook
+            w.process.wait()
+        self._workers = []
+
+    def _start(self) -> _Worker:
+        conn, child_conn = Pipe()
+        # The workers import `rl` as the driver does, wherever the driver was started from.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rl.rewards.pool_worker", str(child_conn.fileno())],
+            pass_fds=[child_conn.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        child_conn.close()  # only the child holds its end now, so its death reads as EOF
+        conn.send(self._terms)
+        kill = weakref.finalize(process, process.kill)
+        return _Worker(process, conn, started_at=time.monotonic(), kill=kill)
+
+    def _replace(self, w: _Worker, pending: deque[int]) -> None:
+        """Kill `w`, start a fresh worker in its place and requeue `w`'s unstarted items."""
+        pending.extendleft(reversed(w.outstanding))
+        w.kill()
+        w.process.wait()
+        w.conn.close()
+        self._workers[self._workers.index(w)] = self._start()
+
+    def _restart_all(self) -> None:
+        for w in list(self._workers):
+            w.outstanding.clear()
+            self._replace(w, deque())
+
+    def _dispatch(self, items: list[Item], pending: deque[int], now: float) -> None:
+        # Only idle workers get work: they are blocked in recv, so a large send cannot block.
+        for w in self._workers:
+            if not pending or not w.ready or w.outstanding:
+                continue
+            size = min(MAX_CHUNK, -(-len(pending) // (2 * len(self._workers))))
+            ids = [pending.popleft() for _ in range(size)]
+            try:
+                w.conn.send([(i, *items[i]) for i in ids])
+            except OSError:  # died while idle: nothing of this chunk ran
+                pending.extendleft(reversed(ids))
+                self._replace(w, pending)
+                continue
+            w.outstanding.extend(ids)
+            w.busy_since = now
+
+    def _deadline(self, w: _Worker) -> float:
+        if not w.ready:
+            return w.started_at + STARTUP_TIMEOUT_S
+        return w.busy_since + self._timeout_s if w.outstanding else math.inf
+
+    def _receive(self, now: float, results: list, pending: deque[int]) -> None:
+        """Wait until a message arrives or the nearest deadline, and take every message in."""
+        wait_s = min(self._deadline(w) for w in self._workers) - now
+        ready = wait([w.conn for w in self._workers], timeout=max(0.0, min(wait_s, 3600.0)))
+        for w in [w for w in self._workers if w.conn in ready]:
+            try:
+                while w.conn.poll():
+                    kind, item_id, payload = w.conn.recv()
+                    if kind == "ready":
+                        w.ready = True
+                    elif kind == "failed":
+                        raise RuntimeError(f"a reward worker could not load the terms: {payload}")
+                    else:
+                        expected = w.outstanding.popleft()
+                        assert item_id == expected, f"result for item {item_id}, not {expected}"
+                        results[item_id] = payload if kind == "ok" else Failure("error", payload)
+                        w.busy_since = time.monotonic()
+            except (EOFError, OSError):
+                self._on_death(w, results, pending)
+
+    def _on_death(self, w: _Worker, results: list, pending: deque[int]) -> None:
+        w.kill()  # it closed the connection; it may not have exited yet
+        code = w.process.wait()
+        if not w.ready:
+            raise RuntimeError(f"a reward worker process exited while starting (exit code {code})")
+        if w.outstanding:
+            # The function it was running took the process down (os._exit, a crash, OOM).
+            cause = f"the worker process died (exit code {code})"
+            results[w.outstanding.popleft()] = Failure("error", cause)
+        self._replace(w, pending)
+
+    def _expire(self, now: float, results: list, pending: deque[int]) -> None:
+        for w in list(self._workers):
+            if now < self._deadline(w):
+                continue
+            if not w.ready:
+                raise RuntimeError(
+                    f"a reward worker process did not start within {STARTUP_TIMEOUT_S:.0f} s"
+                )
+            cause = f"no result within reward.timeout_s={self._timeout_s:g} s"
+            results[w.outstanding.popleft()] = Failure("timeout", cause)
+            self._replace(w, pending)

@@ -1,0 +1,223 @@
+"""The PPO critic of one FSDP2 rank: a value model with its own process group and optimizer.
+
+Batching follows the policy trainer (`trainer.ranks`): same full batch on every rank, each rank
+its `rank_rows`, equal micro-batch counts with dummy rows, trainer.micro_batch_size /
+num_mini_batches / num_epochs / num_threads / betas / weight_decay shared with the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from rl.algorithms import value_loss
+from rl.config import Config
+from rl.types import Batch
+from trainer.ranks import (
+    adamw_with_warmup,
+    check_batching,
+    even_slices,
+    init_rank,
+    micro_batches,
+    optimizer_step,
+    rank_rows,
+)
+
+# Sums over valid tokens, all-reduced over ranks: the metrics and explained variance need them.
+_SUMS = ("tokens", "clipped", "values", "returns", "returns_sq", "error", "error_sq")
+
+
+class ValueModel(nn.Module):
+    """A causal-LM decoder (no LM head) and a linear value head: hidden -> 1 per position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        # Zero head: the first values are exactly 0, a neutral baseline, so the first GAE
+        # advantages are the plain returns rather than noise of arbitrary scale from a random
+        # projection of the hidden states. The head's gradient is still non-zero (it is the
+        # hidden state), so after one step the backbone receives gradients too.
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask [B, T] -> values [B, T-1] fp32.
+
+        Aligned with `Batch`'s targets: values[:, t] is the value of the state after
+        input_ids[:, :t+1], before emitting target input_ids[:, t+1].
+        """
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        return self.head(hidden[:, :-1]).squeeze(-1).float()
+
+
+def load_value_model(path: str, dtype: str, mesh: DeviceMesh) -> ValueModel:
+    """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2.
+
+    Each decoder layer is its own FSDP unit, then the root (embeddings, final norm, head).
+    Parameters stay fp32 (the optimizer's master copy); `dtype` is the compute dtype.
+    """
+    causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    backbone = causal_lm.get_decoder()  # the LM head is dropped: a critic predicts one number
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"critic checkpoint {path!r}: expected a decoder with a `layers` ModuleList "
+            f"(Llama/Qwen-style), got {type(causal_lm).__name__}"
+        )
+    model = ValueModel(backbone, causal_lm.config.hidden_size)
+    # Dropout would make the values of one batch differ between forward passes.
+    model.eval()
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    assert isinstance(model, FSDPModule)
+    return model
+
+
+class ValueTrainer:
+    """One FSDP2 rank of the critic. Plain class, no Ray."""
+
+    def __init__(
+        self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int
+    ) -> None:
+        check_batching(cfg.trainer)
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.device, mesh = init_rank(
+            rank, world_size, master_addr, master_port, cfg.trainer.num_threads
+        )
+        self.model = load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype, mesh)
+        self.optimizer, self.scheduler = adamw_with_warmup(
+            self.model.parameters(),
+            cfg.critic.lr,
+            cfg.trainer.betas,
+            cfg.trainer.weight_decay,
+            cfg.critic.warmup_steps,
+        )
+
+    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
+        return micro_batches(
+            batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
+        )
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """Values [B_rank, T-1] (fp32, CPU, 0 outside loss_mask) of this rank's `rank_rows`.
+
+        Collective: every rank must call it with the same batch.
+        """
+        outputs = []
+        for micro, real in self._micro_batches(batch):
+            values = self.model(micro.input_ids, micro.attention_mask)  # dummies run too
+            if real:
+                outputs.append((values * micro.loss_mask).cpu())
+        # The FSDP root keeps its parameters unsharded after forward (for backward); free them.
+        self.model.reshard()
+        steps = batch.input_ids.shape[1] - 1
+        return torch.cat(outputs) if outputs else torch.empty(0, steps)
+
+    def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
+        """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
+
+        The loss is the token mean of `rl.algorithms.value_loss` over the whole mini-batch:
+        normalised by the global count of valid tokens, so the sharded gradients equal those of
+        one process on the full `batch`. FSDP2's reduce-scatter averages over ranks, and we
+        want the sum of the ranks' partial gradients, so each rank's loss is scaled by
+        world_size before backward (see `PolicyTrainer.accumulate_gradients`).
+
+        Returns the global `loss` and the token sums named in `_SUMS`.
+        """
+        clip = self.cfg.critic.value_clip
+        mine = batch.select(rank_rows(batch.num_sequences, self.rank, self.world_size))
+        count = mine.loss_mask.sum().reshape(1).to(self.device)
+        dist.all_reduce(count)
+        denominator = count.item() if count.item() > 0 else 1.0  # empty: loss is 0
+        # fp64 sums: explained variance subtracts sums of squares, which cancel badly in fp32.
+        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # + loss
+        for micro, _ in self._micro_batches(batch):
+            mask = micro.loss_mask
+            values = self.model(micro.input_ids, micro.attention_mask)
+            token_loss = value_loss(values, micro.old_values, micro.returns, mask, clip)  # masked
+            loss = token_loss.sum() / denominator
+            (loss * self.world_size).backward()
+            with torch.no_grad():
+                # Clipped where the clipped branch is the larger loss (its gradient is zero).
+                unclipped = value_loss(values, micro.old_values, micro.returns, mask, 0.0)
+                returns, error = micro.returns.double(), (micro.returns - values).double()
+                terms = (
+                    mask,
+                    (token_loss > unclipped).float(),
+                    values,
+                    returns,
+                    returns.square(),
+                    error,
+                    error.square(),
+                )
+                sums[: len(_SUMS)] += torch.stack([(t.double() * mask).sum() for t in terms])
+                sums[-1] += loss
+        dist.all_reduce(sums)
+        *token_sums, loss_sum = sums.tolist()
+        return {**dict(zip(_SUMS, token_sums, strict=True)), "loss": loss_sum}
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """trainer.num_epochs passes over `batch`, trainer.num_mini_batches optimizer steps each.
+
+        `batch.returns` are the targets; `batch.old_values` (the values at generation) anchor
+        the clipping when critic.value_clip > 0. Returns global critic/* metrics: value_loss
+        and grad_norm are means over optimizer steps, lr the last lr used, value_clip_frac and
+        values_mean token means, and explained_variance 1 - Var[R - V] / Var[R] over every valid
+        token of the step (values as predicted before each update).
+        """
+        if batch.returns is None or batch.old_values is None:
+            raise ValueError("critic train_step needs batch.returns and batch.old_values")
+        num_mini = self.cfg.trainer.num_mini_batches
+        if num_mini > batch.num_sequences:
+            raise ValueError(
+                f"trainer.num_mini_batches={num_mini} exceeds the {batch.num_sequences} "
+                "sequences in the batch"
+            )
+        start = time.perf_counter()
+        totals = dict.fromkeys(_SUMS, 0.0)
+        loss_sum = grad_norm_sum = 0.0
+        steps = 0
+        for _ in range(self.cfg.trainer.num_epochs):
+            for rows in even_slices(batch.num_sequences, num_mini):
+                sums = self.accumulate_gradients(batch.select(rows))
+                grad_norm, lr = optimizer_step(
+                    self.model, self.optimizer, self.scheduler, self.cfg.critic.max_grad_norm
+                )
+                for name in totals:
+                    totals[name] += sums[name]
+                loss_sum += sums["loss"]
+                grad_norm_sum += grad_norm
+                steps += 1
+        n = max(totals["tokens"], 1.0)
+        returns_var = totals["returns_sq"] / n - (totals["returns"] / n) ** 2
+        error_var = totals["error_sq"] / n - (totals["error"] / n) ** 2
+        # (Near-)constant returns, e.g. equal rewards at gamma 1, have nothing to explain:
+        # report 0 rather than dividing by a variance that is rounding noise.
+        explained = 1.0 - error_var / returns_var if returns_var > 1e-8 else 0.0
+        return {
+            "critic/value_loss": loss_sum / steps,
+            "critic/value_clip_frac": totals["clipped"] / n,
+            "critic/values_mean": totals["values"] / n,
+            "critic/grad_norm": grad_norm_sum / steps,
+            "critic/lr": lr,
+            "critic/explained_variance": explained,
+            "timing/critic_step_s": time.perf_counter() - start,
+        }
+
+    def close(self) -> None:
+        """Leave the process group (the last call on this object)."""
+        dist.destroy_process_group()

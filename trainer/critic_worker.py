@@ -1,0 +1,68 @@
+"""CriticWorker: the Ray actor shell around one `ValueTrainer` rank, and group creation."""
+
+from __future__ import annotations
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup
+
+from rl.config import Config
+from rl.types import Batch
+from trainer.critic import ValueTrainer
+from trainer.worker import rendezvous_address, start_rank_group
+
+
+@ray.remote
+class CriticWorker:
+    """One critic FSDP2 rank. Created cheaply, then `init_trainer` joins the critic's group.
+
+    The critic ranks form a torch.distributed group of their own (each actor is its own
+    process, so its default group serves only the critic), with rank 0 hosting the rendezvous
+    on its node, as `trainer.worker.TrainWorker` does.
+    """
+
+    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.trainer: ValueTrainer | None = None
+
+    def get_master_addr_port(self) -> tuple[str, int]:
+        return rendezvous_address()
+
+    def init_trainer(self, master_addr: str, master_port: int) -> None:
+        """Build the ValueTrainer; blocks until all critic ranks have joined."""
+        self.trainer = ValueTrainer(self.cfg, self.rank, self.world_size, master_addr, master_port)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """This rank's rows (`trainer.ranks.rank_rows`) of the values [B, T-1]."""
+        return self.trainer.compute_values(batch)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def critic_world_size(cfg: Config) -> int:
+    """critic.num_workers, where 0 means as many ranks as the policy trainer."""
+    return cfg.critic.num_workers or cfg.trainer.num_workers
+
+
+def create_critic_group(
+    cfg: Config,
+    placement_group: PlacementGroup | None,
+    bundle_indices: list[int] | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+) -> list[ActorHandle]:
+    """Start the `critic_world_size(cfg)` CriticWorker ranks (see `start_rank_group`)."""
+    world_size = critic_world_size(cfg)
+    if world_size < 1:
+        raise ValueError(
+            f"critic.num_workers={cfg.critic.num_workers} (0 = trainer.num_workers="
+            f"{cfg.trainer.num_workers}) gives {world_size} critic ranks"
+        )
+    return start_rank_group(
+        CriticWorker, cfg, world_size, placement_group, bundle_indices, num_cpus, num_gpus
+    )

@@ -1,0 +1,141 @@
+"""What every FSDP2 role (policy, critic) does the same way on its rank.
+
+Data parallelism: every rank receives the same full `Batch` and works on its contiguous share
+of rows (`rank_rows`). Every rank must issue the same sequence of FSDP forward/backward calls
+(each one runs collectives), so micro-batch counts come from global sizes, and a rank that runs
+out of rows runs a dummy row with zero loss weight instead of skipping a call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from rl.config import TrainerConfig
+from rl.types import Batch
+
+
+def rank_rows(num_rows: int, rank: int, world_size: int) -> slice:
+    """Rows of a `num_rows` batch that `rank` owns: contiguous, sizes differ by at most one.
+
+    The first `num_rows % world_size` ranks get one extra row, so concatenating the ranks'
+    outputs in rank order restores the batch order. The driver uses this to reassemble.
+    """
+    base, extra = divmod(num_rows, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def even_slices(num_rows: int, parts: int) -> list[slice]:
+    """`num_rows` split into `parts` contiguous near-equal slices (as `rank_rows`)."""
+    return [rank_rows(num_rows, i, parts) for i in range(parts)]
+
+
+def check_batching(cfg: TrainerConfig) -> None:
+    """Reject micro-batch / mini-batch / epoch counts below one (a user error)."""
+    for name in ("micro_batch_size", "num_mini_batches", "num_epochs"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"trainer.{name}={getattr(cfg, name)} < 1")
+
+
+def init_rank(
+    rank: int, world_size: int, master_addr: str, master_port: int, num_threads: int
+) -> tuple[torch.device, DeviceMesh]:
+    """Join the process group at master_addr:master_port; returns (this rank's device, 1-D mesh).
+
+    CUDA when present (nccl for tensors, gloo for CPU-side collectives), else gloo on CPU with
+    `num_threads` intra-op threads. Blocks until all `world_size` ranks have joined.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(num_threads)
+        backend = "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+    )
+    return device, init_device_mesh(device.type, (world_size,))
+
+
+def batch_to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor of `batch` on `device` (absent optional fields stay None)."""
+    moved = {
+        f.name: None if (t := getattr(batch, f.name)) is None else t.to(device)
+        for f in dataclasses.fields(batch)
+    }
+    return Batch(**moved)
+
+
+def micro_batches(
+    batch: Batch, rank: int, world_size: int, micro_batch_size: int, device: torch.device
+) -> Iterator[tuple[Batch, bool]]:
+    """(micro-batch on device, is_real) for this rank's rows; the same count on every rank.
+
+    The count is set by the rank with the most rows. A rank short of rows gets a dummy
+    micro-batch (the batch's first row with an empty loss mask) so that it still takes part in
+    every FSDP collective.
+    """
+    assert batch.num_sequences > 0, "empty batch"
+    mine = rank_rows(batch.num_sequences, rank, world_size)
+    most_rows = math.ceil(batch.num_sequences / world_size)
+    for i in range(max(1, math.ceil(most_rows / micro_batch_size))):
+        start = mine.start + i * micro_batch_size
+        stop = min(start + micro_batch_size, mine.stop)
+        if start < stop:
+            yield batch_to_device(batch.select(slice(start, stop)), device), True
+        else:
+            row = batch.select(slice(0, 1))
+            dummy = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
+            yield batch_to_device(dummy, device), False
+
+
+def adamw_with_warmup(
+    params: Iterable[nn.Parameter],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    warmup_steps: int,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and a schedule: linear warmup over `warmup_steps` optimizer steps, then constant."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0,
+    )
+    return optimizer, scheduler
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float,
+) -> tuple[float, float]:
+    """Clip `model`'s gradients to `max_grad_norm`, step, zero grads.
+
+    Returns (pre-clip global grad norm, lr used). Collective: the norm of DTensor shards is
+    completed across ranks.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(grad_norm, DTensor):  # partial norms of the shards -> the global norm
+        grad_norm = grad_norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item(), lr
