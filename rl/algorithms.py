@@ -60,7 +60,7 @@ def _scores(token_rewards: Tensor, mask: Tensor) -> Tensor:
     return (token_rewards * mask).sum(dim=1)
 
 
-def _at_last_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
+def at_last_token(per_sequence: Tensor, mask: Tensor) -> Tensor:
     """Place per-sequence values [B] on each row's last response token -> [B, T1], 0 elsewhere."""
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
     last = (mask * positions).argmax(dim=1, keepdim=True)
@@ -146,7 +146,7 @@ def reinforce_pp_baseline_advantages(
     G_t and A = whiten(G) as `reinforce_pp`. Returns (advantages, returns), both [B, T1].
     """
     baseline = _grouped(_scores(token_rewards, mask), cfg.group_size).mean(dim=1)
-    shaped = token_rewards - _at_last_token(baseline.repeat_interleave(cfg.group_size), mask)
+    shaped = token_rewards - at_last_token(baseline.repeat_interleave(cfg.group_size), mask)
     return reinforce_pp_advantages(shaped, mask, cfg)
 
 

@@ -1,4 +1,4 @@
-"""Samples -> padded training `Batch`, and sequence scores -> per-token rewards."""
+"""Samples -> padded training `Batch`."""
 
 from __future__ import annotations
 
@@ -36,17 +36,3 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
         old_logprobs=behaviour.clone(),
         advantages=torch.zeros_like(loss_mask),
     )
-
-
-def token_rewards(scores: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sequence scores [B] placed on each response's last token -> [B, T-1].
-
-    A row without response tokens gets no reward anywhere.
-    """
-    assert scores.shape == loss_mask.shape[:1]
-    positions = torch.arange(loss_mask.shape[1]).expand_as(loss_mask)
-    last = (positions * loss_mask).argmax(dim=1)
-    rewards = torch.zeros_like(loss_mask)
-    has_response = loss_mask.sum(dim=1) > 0
-    rewards[has_response, last[has_response]] = scores[has_response].float()
-    return rewards

@@ -17,11 +17,11 @@ from rl.algorithms import (
     KL_ESTIMATORS,
     OFF_POLICY_CORRECTIONS,
     adaptive_kl_coef,
+    at_last_token,
     dynamic_sampling_keep,
     masked_mean,
     overlong_penalty,
 )
-from rl.batching import token_rewards
 from rl.config import AlgorithmConfig, Config
 from rl.data import PromptStream
 from rl.prompts import encode_prompt
@@ -155,7 +155,7 @@ def annotate_batch(
     if critic is not None:
         values = batch.old_values = critic.compute_values(batch)
 
-    rewards = token_rewards(scores, mask)
+    rewards = at_last_token(scores, mask)
     if algo.kl_coef > 0 and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_logprobs, batch.ref_logprobs) * mask
         rewards = rewards - kl_controller.coef * kl

@@ -23,7 +23,8 @@ CONSOLE_KEYS = {
 class MetricsLogger:
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        # A new run starts a new file: appending would mix two runs under one name.
+        self._file = self.path.open("w")
         self._wandb = None
         if cfg.run.wandb_mode != "disabled":
             import wandb

@@ -16,6 +16,7 @@ from rl.algorithms import (
     OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     adaptive_kl_coef,
+    at_last_token,
     dynamic_sampling_keep,
     overlong_penalty,
     value_loss,
@@ -469,3 +470,10 @@ def test_registries_list_valid_names_on_a_typo() -> None:
         ADVANTAGES.get("ppo")
     with pytest.raises(ValueError, match="valid: seq-mean-token-mean, .*token-mean"):
         LOSS_AGGREGATIONS.get("token_mean")
+
+
+def test_scores_land_on_each_rows_last_response_token() -> None:
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    placed = at_last_token(torch.tensor([2.0, -1.0, 5.0]), mask)
+    # The third row has no response: its score lands nowhere.
+    assert placed.tolist() == [[0, 0, 0, 2], [0, 0, -1, 0], [0, 0, 0, 0]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.batching import build_batch, token_rewards
+from rl.batching import build_batch
 from rl.types import Sample
 
 
@@ -54,10 +54,3 @@ def test_select_takes_the_same_rows_of_every_tensor() -> None:
     assert part.num_sequences == 2
     assert part.input_ids[:, 1].tolist() == [2, 3]
     assert part.old_logprobs[:, 0].tolist() == [-2.0, -3.0]
-
-
-def test_token_rewards_put_each_score_on_the_last_response_token() -> None:
-    loss_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.float32)
-    rewards = token_rewards(torch.tensor([2.0, -1.0, 5.0]), loss_mask)
-    # The third row has no response: its score lands nowhere.
-    assert rewards.tolist() == [[0, 0, 0, 2], [0, 0, -1, 0], [0, 0, 0, 0]]
