@@ -1,14 +1,17 @@
-"""Chunked log-prob/entropy of the LM head: the PyTorch reference path (CPU and any device).
+"""Chunked log-prob/entropy of the LM head: the PyTorch path (CPU, and the reference).
 
-For hidden states h [N, d], head weight W [V, d] and temperature tau, the logits are
-z = h @ W.T / tau (as vLLM applies temperature). The full [N, V] logits never exist: tokens are
-processed `chunk_size` at a time, so the extra workspace is a few [chunk_size, V] fp32 tensors
-in forward and backward. Backward recomputes each chunk's logits instead of saving them.
+For hidden states h [N, d], head weight W [V, d] and per-row temperature tau [N], the logits
+are z = (h @ W.T)[:, :vocab_size] / tau (vLLM divides the logits by the temperature before
+its log-softmax). The [N, V] logits never exist: rows are processed `chunk_size` at a time
+and the vocabulary `vocab_chunk_size` columns at a time, with an online (running-max)
+log-sum-exp, so the workspace is a few [chunk_size, vocab_chunk_size] fp32 tensors. Backward
+recomputes each tile's logits from the saved inputs and two fp32 numbers per row.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -16,116 +19,151 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(
-    hidden: torch.Tensor, weight_acc: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """[n, d] x [V, d] -> temperature-scaled logits [n, V], shifted so each row's max is 0.
+def _tiles(num: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, num)) for start in range(0, num, size)]
 
-    The shift cancels in every output but keeps the entropy terms small: H = lse - E_p[z] loses
-    digits when both are large, not when the logits are centred near the mode.
+
+def _tile_logits(hidden: Tensor, weight_tile: Tensor, inv_tau: Tensor) -> Tensor:
+    """hidden [n, d] (accumulation dtype) x weight_tile [v, d] -> scaled logits [n, v].
+
+    The tile is upcast before the matmul: a bf16 matmul would round its fp32 sums to bf16.
     """
-    logits = (hidden.to(weight_acc.dtype) @ weight_acc.T) / temperature
-    return logits - logits.amax(dim=-1, keepdim=True)
+    return (hidden @ weight_tile.to(hidden.dtype).T).mul_(inv_tau[:, None])
 
 
-class _FusedLogprobs(torch.autograd.Function):
+def _forward_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_tau: Tensor,
+    vocab_size: int,
+    vocab_chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One row chunk: (logprob, entropy, lse) [n], with an online log-sum-exp over the vocab.
+
+    The running sums are kept relative to the running max m: s = sum exp(z - m) and
+    c = sum exp(z - m) (z - m). Then lse = m + log s and H = log s - c / s, which never
+    subtracts two large numbers, so entropy stays exact for logits in the thousands.
+    """
+    acc = _acc_dtype(weight.dtype)
+    n = hidden.shape[0]
+    m = torch.full((n,), -torch.inf, dtype=acc, device=hidden.device)
+    s = torch.zeros(n, dtype=acc, device=hidden.device)
+    c = torch.zeros_like(s)
+    target_logit = torch.zeros_like(s)
+    for cols in _tiles(vocab_size, vocab_chunk):
+        z = _tile_logits(hidden, weight[cols], inv_tau)
+        local = targets - cols.start
+        inside = (local >= 0) & (local < z.shape[1])
+        picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+        target_logit = torch.where(inside, picked, target_logit)
+        m_new = torch.maximum(m, z.amax(dim=1))
+        shift = m - m_new  # <= 0; -inf on the first tile, where s = c = 0
+        scale = torch.exp(shift)
+        c = scale * (c + torch.nan_to_num(shift, neginf=0.0) * s)
+        s = scale * s
+        # In place from here: the tile is the workspace, and each pass over it costs time.
+        centred = z.sub_(m_new[:, None])
+        e = centred.exp()
+        s = s + e.sum(dim=1)
+        c = c + e.mul_(centred).sum(dim=1)
+        m = m_new
+    log_s = torch.log(s)
+    lse = m + log_s
+    return target_logit - lse, log_s - c / s, lse
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        inv_tau: Tensor,
+        vocab_size: int,
         chunk_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        weight_acc = weight.to(_acc_dtype(weight.dtype))
-        # Outputs are allocated in the targets' shape, so callers never get a view (a view
-        # returned from an FSDP module loses its pre-backward hook under in-place ops).
-        logprob_out = hidden.new_empty(targets.shape, dtype=weight_acc.dtype)
-        entropy_out = torch.empty_like(logprob_out)
-        logprob, entropy = logprob_out.view(-1), entropy_out.view(-1)
-        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-        flat_targets = targets.reshape(-1)
+        vocab_chunk: int,
+    ) -> tuple[Tensor, Tensor]:
+        acc = _acc_dtype(weight.dtype)
+        num_rows = hidden.shape[0]
+        logprob = hidden.new_empty(num_rows, dtype=acc)
+        entropy = torch.empty_like(logprob)
         lse = torch.empty_like(logprob)
-        for start in range(0, flat_hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(flat_hidden[rows], weight_acc, temperature)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            probs = torch.exp(logits - chunk_lse[:, None])
-            lse[rows] = chunk_lse
-            logprob[rows] = logits.gather(1, flat_targets[rows, None]).squeeze(1) - chunk_lse
-            # H = lse - E_p[z]: exact for any logits, no log(0) on underflowed probabilities.
-            entropy[rows] = chunk_lse - (probs * logits).sum(dim=-1)
-        # The inputs are saved as given: flattening a strided one (hidden[:, :-1]) copies it.
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        # An output nobody differentiates (e.g. entropy with no bonus) arrives as None in
-        # backward, and its [chunk, V] gradient term is skipped.
+        for rows in _tiles(num_rows, chunk_size):
+            logprob[rows], entropy[rows], lse[rows] = _forward_rows(
+                hidden[rows].to(acc), weight, targets[rows], inv_tau[rows], vocab_size, vocab_chunk
+            )
+        # Two fp32 numbers per row: E_p[z] = lse - H is what the entropy gradient needs.
+        ctx.save_for_backward(hidden, weight, targets, inv_tau, lse, lse - entropy)
+        # An output nobody differentiates (entropy without a bonus) arrives as None in
+        # backward and its gradient term is skipped.
         ctx.set_materialize_grads(False)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        return logprob_out, entropy_out
+        ctx.sizes = (vocab_size, chunk_size, vocab_chunk)
+        return logprob, entropy
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx,
-        grad_logprob: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
-        hidden_in, weight, targets, lse = ctx.saved_tensors
-        hidden, targets = hidden_in.reshape(-1, hidden_in.shape[-1]), targets.reshape(-1)
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        if grad_logprob is not None:
-            grad_logprob = grad_logprob.reshape(-1)
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.reshape(-1)
-        weight_acc = weight.to(_acc_dtype(weight.dtype))
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight_acc) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight_acc, temperature)
-            probs = torch.exp(logits - lse[rows, None])
-            # d(logprob)/dz = onehot(target) - p ;  dH/dz = -p * (z - E_p[z]).
-            grad_logits = torch.zeros_like(logits)
-            if grad_logprob is not None:
-                g = grad_logprob[rows, None].to(logits.dtype)
-                grad_logits -= g * probs
-                grad_logits.scatter_add_(1, targets[rows, None], g)
-            if grad_entropy is not None:
-                expected = (probs * logits).sum(dim=-1, keepdim=True)
-                grad_logits -= (
-                    grad_entropy[rows, None].to(logits.dtype) * probs * (logits - expected)
-                )
-            grad_logits /= temperature  # chain rule through z = raw_logits / tau
-            if grad_hidden is not None:
-                grad_hidden[rows] = (grad_logits @ weight_acc).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[rows].to(logits.dtype)
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.view(hidden_in.shape)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        grad_logprob: Tensor | None,
+        grad_entropy: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, inv_tau, lse, mean_logit = ctx.saved_tensors
+        vocab_size, chunk_size, vocab_chunk = ctx.sizes
+        acc = _acc_dtype(weight.dtype)
+        grad_hidden = torch.zeros_like(hidden, dtype=acc) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        for rows in _tiles(hidden.shape[0], chunk_size):
+            h = hidden[rows].to(acc)
+            for cols in _tiles(vocab_size, vocab_chunk):
+                w = weight[cols].to(acc)
+                z = _tile_logits(h, w, inv_tau[rows])
+                # grad_z = [g_lp (onehot - p) - g_ent p (z - E_p z)] / tau, built in place in
+                # the logits tile (d logprob/dz = onehot - p, dH/dz = -p (z - E_p z)):
+                # first p (-g_lp - g_ent (z - E_p z)), then + g_lp at each row's target.
+                p = (z - lse[rows, None]).exp_()
+                if grad_entropy is not None:
+                    z.sub_(mean_logit[rows, None]).mul_(-grad_entropy[rows, None].to(acc))
+                else:
+                    z.zero_()
+                if grad_logprob is not None:
+                    g = grad_logprob[rows].to(acc)
+                    z.sub_(g[:, None])
+                grad_z = z.mul_(p)
+                if grad_logprob is not None:
+                    local = targets[rows] - cols.start
+                    inside = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
+                    grad_z.index_put_((inside, local[inside]), g[inside], accumulate=True)
+                grad_z.mul_(inv_tau[rows, None])  # chain rule through z = raw / tau
+                if grad_hidden is not None:
+                    grad_hidden[rows].addmm_(grad_z, w)
+                if grad_weight is not None:
+                    grad_weight[cols].addmm_(grad_z.T, h)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def fused_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of `targets` and entropy under softmax(hidden @ weight.T / temperature).
+def torch_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_temperature: Tensor,
+    vocab_size: int,
+    chunk_size: int,
+    vocab_chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """hidden [N, d], weight [V, d], targets [N] (all valid), 1/tau [N] -> (logprob, entropy) [N].
 
-    hidden [N, d], weight [V, d] (any float dtype), targets [N] long ->
-    (logprob [N], entropy [N]) in fp32 (fp64 for fp64 inputs), accumulated in that dtype.
-    Leading dims are allowed: hidden [*S, d] and targets [*S] give outputs [*S]. Differentiable w.r.t. hidden and weight; the backward
-    accepts upstream gradients for both outputs. Peak extra memory is O(chunk_size * V).
+    fp32 outputs (fp64 for fp64 inputs). Callers go through `kernels.logprobs`, which
+    validates arguments and drops ignored rows.
     """
-    assert weight.ndim == 2 and hidden.shape[-1] == weight.shape[1]
-    assert targets.shape == hidden.shape[:-1] and targets.dtype == torch.long
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    return _FusedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+    return _ChunkedLogprobs.apply(
+        hidden, weight, targets, inv_temperature, vocab_size, chunk_size, vocab_chunk_size
+    )

@@ -115,8 +115,16 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(32, description="Sequences per forward/backward on one rank.")
     num_mini_batches: int = Field(1, description="Optimizer steps per rollout batch per epoch.")
     num_epochs: int = Field(1, description="Passes over each rollout batch.")
+    logprob_impl: Literal["fused", "naive"] = Field(
+        "fused",
+        description="LM-head log-probs: the fused kernel (never holds [tokens, vocab] logits) or "
+        "the naive full-logits path, for comparison.",
+    )
     logprob_chunk_size: int = Field(
-        1024, description="Tokens per chunk in the fused log-prob kernel."
+        512, description="Fused kernel (PyTorch path): tokens per chunk."
+    )
+    logprob_vocab_chunk_size: int = Field(
+        8192, description="Fused kernel (PyTorch path): vocabulary columns per chunk."
     )
     num_threads: int = Field(1, description="torch intra-op threads per trainer rank on CPU.")
 

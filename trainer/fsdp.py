@@ -8,10 +8,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from kernels import fused_logprobs
-from rl.config import ModelConfig
+from kernels import logprobs, naive_logprobs
+from rl.config import ModelConfig, TrainerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_IGNORE = -100  # target id of padding positions
 
 
 class LogProbModel(nn.Module):
@@ -22,32 +23,37 @@ class LogProbModel(nn.Module):
     unshards everything not in a decoder layer (embeddings, final norm, lm_head) around it.
     """
 
-    def __init__(self, model: PreTrainedModel, chunk_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, cfg: TrainerConfig) -> None:
         super().__init__()
         self.model = model
-        self.chunk_size = chunk_size
+        self.cfg = cfg
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, attention_mask [B, T] -> (logprob, entropy) [B, T-1] fp32.
 
-        Position t scores input_ids[:, t+1] under softmax(logits_t / temperature).
+        Position t scores input_ids[:, t+1] under softmax(logits_t / temperature); padding
+        targets are skipped by the kernel and score 0.
         """
         out = self.model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         )
-        return fused_logprobs(
-            out.last_hidden_state[:, :-1],
-            self.model.get_output_embeddings().weight,
-            input_ids[:, 1:],
+        targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, _IGNORE)
+        args = (out.last_hidden_state[:, :-1], self.model.get_output_embeddings().weight, targets)
+        if self.cfg.logprob_impl == "naive":
+            return naive_logprobs(*args, temperature, _IGNORE)
+        return logprobs(
+            *args,
             temperature,
-            self.chunk_size,
+            _IGNORE,
+            chunk_size=self.cfg.logprob_chunk_size,
+            vocab_chunk_size=self.cfg.logprob_vocab_chunk_size,
         )
 
 
 def load_sharded(
-    cfg: ModelConfig, mesh: DeviceMesh, chunk_size: int, trainable: bool
+    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool
 ) -> LogProbModel:
     """Load `cfg.path` in fp32 and shard it with FSDP2: each decoder layer, then the root.
 
@@ -68,7 +74,7 @@ def load_sharded(
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.dtype], reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    wrapper = LogProbModel(model, chunk_size)
+    wrapper = LogProbModel(model, trainer_cfg)
     fully_shard(wrapper, mesh=mesh, mp_policy=policy)
     assert isinstance(wrapper, FSDPModule)
     return wrapper

@@ -54,11 +54,10 @@ class PolicyTrainer:
         self.device, mesh = init_rank(
             rank, world_size, master_addr, master_port, cfg.trainer.num_threads
         )
-        chunk = cfg.trainer.logprob_chunk_size
-        self.policy = load_sharded(cfg.model, mesh, chunk, trainable=True)
+        self.policy = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True)
         self.reference: LogProbModel | None = None
         if cfg.algorithm.kl_coef > 0:
-            self.reference = load_sharded(cfg.model, mesh, chunk, trainable=False)
+            self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
         self.optimizer, self.scheduler = adamw_with_warmup(
             self.policy.parameters(),
             cfg.trainer.lr,

@@ -1,0 +1,228 @@
+"""The fused LM-head log-prob/entropy kernels on a GPU: speed, peak memory, correctness.
+
+    python bench/gpu_kernels.py                # CUDA machine: check + table, under 5 minutes
+    python bench/gpu_kernels.py --check-only   # only the small fp32 check (CPU: interpreter)
+
+At bf16, N=16384 tokens, d=3584, V=152064 (a Qwen2.5-7B head) it times one forward+backward,
+with random upstream gradients for both logprob and entropy, of (a) the Triton kernels,
+(b) the naive path through the full fp32 [N, V] logits, (c) torch.compile of the chunked
+PyTorch path, and (d) cuBLAS doing just the three matmuls of the same shapes (6NdV FLOPs), and
+prints a markdown table for docs/benchmarks.md. First it checks Triton against the PyTorch path
+at a small fp32 shape (against fp64 too). The check alone runs on a CPU-only machine, under
+TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+IGNORE = -100
+Fn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def naive(hidden, weight, targets, temperature, vocab_size):
+    """The baseline: full fp32 logits [N, vocab_size], log_softmax, gather, entropy."""
+    logits = (hidden @ weight[:vocab_size].T).float() / temperature[:, None]
+    log_p = torch.log_softmax(logits, dim=-1)
+    live = targets != IGNORE
+    logprob = log_p.gather(1, torch.where(live, targets, 0)[:, None]).squeeze(1)
+    entropy = -(log_p.exp() * log_p).sum(dim=-1)
+    return logprob * live, entropy * live
+
+
+def dispatched(backend: str, **chunks: int) -> Fn:
+    """The package entry point on one backend ("torch": chunked PyTorch, "triton"); `chunks`
+    are its chunk_size / vocab_chunk_size."""
+    from kernels import logprobs
+
+    def fn(hidden, weight, targets, temperature, vocab_size):
+        return logprobs(
+            hidden,
+            weight,
+            targets,
+            temperature,
+            IGNORE,
+            vocab_size=vocab_size,
+            backend=backend,
+            **chunks,
+        )
+
+    return fn
+
+
+def triton_direct(hidden, weight, targets, temperature, vocab_size):
+    """The Triton kernels without the dispatcher's validation and ignored-row gather."""
+    from kernels.logprobs_triton import triton_logprobs
+
+    return triton_logprobs(hidden, weight, targets, temperature, IGNORE, vocab_size)
+
+
+def make_inputs(n, d, v, vocab_size, dtype, device, seed=0, ignored=0.1):
+    """hidden [n, d] and weight [v, d] requiring grad, targets [n] in [0, vocab_size) (a
+    fraction ignored), per-row temperatures [n], upstream gradients (g_lp, g_ent) [n]."""
+    gen = torch.Generator(device).manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, device=device, dtype=dtype)
+    weight = torch.randn(v, d, generator=gen, device=device, dtype=dtype) / d**0.5
+    targets = torch.randint(0, vocab_size, (n,), generator=gen, device=device)
+    targets[torch.rand(n, generator=gen, device=device) < ignored] = IGNORE
+    temperature = torch.rand(n, generator=gen, device=device) + 0.5
+    grads = torch.randn(2, n, generator=gen, device=device)
+    return hidden.requires_grad_(), weight.requires_grad_(), targets, temperature, grads
+
+
+def fwd_bwd(fn: Fn, inputs, vocab_size: int) -> list[torch.Tensor]:
+    """One forward+backward; returns [logprob, entropy, grad_hidden, grad_weight]."""
+    hidden, weight, targets, temperature, (g_lp, g_ent) = inputs
+    hidden.grad = weight.grad = None
+    logprob, entropy = fn(hidden, weight, targets, temperature, vocab_size)
+    torch.autograd.backward((logprob, entropy), (g_lp, g_ent))
+    return [logprob.detach(), entropy.detach(), hidden.grad, weight.grad]
+
+
+def check(device: str, n: int, d: int, v: int, vocab_size: int) -> str:
+    """Max abs differences, fp32 inputs: Triton vs the PyTorch path, each vs fp64 (markdown)."""
+    inputs = make_inputs(n, d, v, vocab_size, torch.float32, device)
+    results = {
+        "triton": fwd_bwd(dispatched("triton"), inputs, vocab_size),
+        "torch": fwd_bwd(dispatched("torch"), inputs, vocab_size),
+    }
+    hidden, weight, *rest = inputs
+    as64 = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    results["fp64"] = fwd_bwd(naive, (*as64, *rest), vocab_size)
+    lines = [
+        f"fp32 check, N={n} d={d} V={v} vocab_size={vocab_size}, {device}: max abs difference",
+        "",
+        "| pair | logprob | entropy | grad hidden | grad weight |",
+        "|---|---|---|---|---|",
+    ]
+    for a, b in (("triton", "torch"), ("triton", "fp64"), ("torch", "fp64")):
+        diffs = [
+            (x.double() - y.double()).abs().max().item()
+            for x, y in zip(results[a], results[b], strict=True)
+        ]
+        lines.append(f"| {a} vs {b} | " + " | ".join(f"{x:.2e}" for x in diffs) + " |")
+    return "\n".join(lines)
+
+
+def measure(fn: Fn, inputs, vocab_size: int, iters: int) -> tuple[float, float]:
+    """(ms per forward+backward, peak GiB allocated above the inputs) after one warm-up."""
+    fwd_bwd(fn, inputs, vocab_size)
+    inputs[0].grad = inputs[1].grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fwd_bwd(fn, inputs, vocab_size)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def measure_cublas(n: int, d: int, v: int, iters: int) -> float:
+    """ms for logits = h @ W.T, grad_h = G @ W and grad_W = G.T @ h in bf16 (6NdV FLOPs)."""
+    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+
+    def three() -> None:
+        (h @ w.T, g @ w, g.T @ h)
+
+    three()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        three()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure_naive(n: int, d: int, v: int, iters: int) -> tuple[float, float, str]:
+    """Naive path at n rows, or, if that runs out of memory, at the largest n / 2**k (k <= 6)
+    that fits, scaled linearly to n (its time and memory are dominated by the [n, V] logits)."""
+    rows = n
+    while rows >= max(1, n // 64):
+        # Here, not in the handler: the traceback there still holds the failed attempt's tensors.
+        torch.cuda.empty_cache()
+        try:
+            ms, gib = measure(naive, make_inputs(rows, d, v, v, torch.bfloat16, "cuda"), v, iters)
+        except torch.cuda.OutOfMemoryError:
+            rows //= 2
+            continue
+        note = "" if rows == n else f"estimated from N={rows} (OOM at N={n})"
+        return ms * n / rows, gib * n / rows, note
+    return float("nan"), float("nan"), f"OOM even at N={n // 64}"
+
+
+def benchmark(n: int, d: int, v: int, iters: int, compile_torch: bool) -> str:
+    """The markdown table at bf16 [n, d] x [v, d]."""
+    paths: list[tuple[str, Fn]] = [("Triton (fused)", triton_direct)]
+    if compile_torch:
+        # Few, large chunks: Dynamo unrolls the chunk loops, so compile time grows with their
+        # number (the default 1024 x 16384 chunks would make 160 tiles each way).
+        chunks = {"chunk_size": 4096, "vocab_chunk_size": 32768}
+        name = "torch.compile(chunked PyTorch), chunks 4096 x 32768"
+        paths.append((name, torch.compile(dispatched("torch", **chunks))))
+    rows = []
+    for name, fn in paths:
+        tic = time.perf_counter()
+        inputs = make_inputs(n, d, v, v, torch.bfloat16, "cuda")
+        ms, gib = measure(fn, inputs, v, iters)
+        del inputs
+        note = f"incl. warm-up/compile: {time.perf_counter() - tic:.0f} s wall"
+        rows.append((name, ms, gib, note))
+        print(f"{name}: {ms:.1f} ms, {gib:.2f} GiB", file=sys.stderr)
+    rows.append(("naive (full fp32 logits)", *measure_naive(n, d, v, iters)))
+    cublas = measure_cublas(n, d, v, iters)
+    rows.append(("cuBLAS: the 3 matmuls only", cublas, float("nan"), "lower bound, 6NdV FLOPs"))
+    triton_ms, triton_gib = rows[0][1], rows[0][2]
+    naive_gib = rows[-2][2]
+    tflops = 6 * n * d * v / (cublas * 1e-3) / 1e12
+    lines = [
+        f"bf16, N={n}, d={d}, V={v}, forward+backward of logprob and entropy, "
+        f"mean of {iters} after warm-up; {torch.cuda.get_device_name()}",
+        "",
+        "| path | ms | peak GiB above inputs | note |",
+        "|---|---|---|---|",
+        *(f"| {name} | {ms:.1f} | {gib:.2f} | {note} |" for name, ms, gib, note in rows),
+        "",
+        f"Triton / cuBLAS time: {triton_ms / cublas:.2f} (cuBLAS at {tflops:.0f} TFLOP/s); "
+        f"Triton peak / naive peak: {triton_gib / naive_gib:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check-only", action="store_true", help="only the fp32 check")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (c)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.check_only:
+        sys.exit("bench/gpu_kernels.py needs CUDA; without it only --check-only runs")
+    if not cuda:
+        # Triton reads this when it is first imported, which happens only below.
+        os.environ["TRITON_INTERPRET"] = "1"
+    # Run as a script, sys.path starts with bench/, where kernels.py would shadow the package.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if cuda:
+        print(check("cuda", 1000, 256, 4099, 4000), "\n")
+    else:  # the interpreter is slow: a smaller shape
+        print(check("cpu", 70, 72, 300, 290))
+    if not args.check_only:
+        print(benchmark(16384, 3584, 152064, args.iters, not args.no_compile))
+
+
+if __name__ == "__main__":
+    main()
