@@ -214,7 +214,8 @@ def main() -> None:
     if not cuda:
         # Triton reads this when it is first imported, which happens only below.
         os.environ["TRITON_INTERPRET"] = "1"
-    # Run as a script, sys.path starts with bench/, where kernels.py would shadow the package.
+    # The GPU machine has torch and triton but not this package installed: import it from the
+    # checkout.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if cuda:
         print(check("cuda", 1000, 256, 4099, 4000), "\n")

@@ -277,4 +277,9 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+
+    def critic_world_size(self) -> int:
+        """critic.num_workers, where 0 means as many ranks as the policy trainer."""
+        return self.critic.num_workers or self.trainer.num_workers
+
     run: RunConfig = RunConfig()

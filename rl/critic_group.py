@@ -8,7 +8,7 @@ import torch
 from rl.config import Config
 from rl.scheduler import Placement
 from rl.types import Batch
-from trainer.critic_worker import create_critic_group, critic_world_size
+from trainer.critic_worker import create_critic_group
 
 
 class CriticGroup:
@@ -16,7 +16,7 @@ class CriticGroup:
 
     def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
         # The plan names the critic's bundles when it was made for PPO; else rank r -> bundle r.
-        bundles = placement.plan.roles.get("critic") or list(range(critic_world_size(cfg)))
+        bundles = placement.plan.roles.get("critic") or list(range(cfg.critic_world_size()))
         if max(bundles) >= placement.plan.num_devices:
             raise ValueError(
                 f"{len(bundles)} critic ranks (critic.num_workers={cfg.critic.num_workers}) need "

@@ -23,10 +23,12 @@ from rl.algorithms import (
     overlong_penalty,
 )
 from rl.config import AlgorithmConfig, Config
+from rl.critic_group import CriticGroup
 from rl.data import PromptStream
 from rl.prompts import encode_prompt
 from rl.rewards import RewardScorer
 from rl.rollout_group import RolloutGroup
+from rl.train_group import TrainGroup
 from rl.types import Batch, Sample, SamplingParams
 
 
@@ -131,8 +133,8 @@ def annotate_batch(
     cfg: Config,
     batch: Batch,
     scores: torch.Tensor,
-    trainers,  # rl.train_group.TrainGroup
-    critic,  # rl.critic_group.CriticGroup | None
+    trainers: TrainGroup,
+    critic: CriticGroup | None,
     kl_controller: KLController,
 ) -> dict[str, float]:
     """Fill `batch` in place for training; returns metrics.

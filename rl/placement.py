@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from rl.config import Config
+from rl.rewards.terms import MODEL_PREFIX
 
 
 @dataclass
@@ -43,8 +44,8 @@ def plan_placement(cfg: Config) -> PlacementPlan:
         "trainer": list(range(cfg.trainer.num_workers)),
     }
     if cfg.algorithm.advantage == "gae":  # PPO: the critic gets its own group
-        roles["critic"] = list(range(cfg.critic.num_workers or cfg.trainer.num_workers))
-    num_reward_models = sum(term.name.startswith("model:") for term in cfg.reward.terms)
+        roles["critic"] = list(range(cfg.critic_world_size()))
+    num_reward_models = sum(term.name.startswith(MODEL_PREFIX) for term in cfg.reward.terms)
     if num_reward_models:
         roles["reward_model"] = [0] * num_reward_models
     num_devices = max(cfg.rollout.num_workers * tp, *(len(bundles) for bundles in roles.values()))

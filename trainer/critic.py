@@ -14,18 +14,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from rl.algorithms import value_loss
 from rl.config import Config
 from rl.types import Batch
+from trainer.fsdp import decoder_layers, shard_with_fsdp
 from trainer.ranks import (
     adamw_with_warmup,
     check_batching,
-    even_slices,
     init_rank,
     micro_batches,
+    mini_batch_slices,
     optimizer_step,
     rank_rows,
 )
@@ -61,27 +61,15 @@ class ValueModel(nn.Module):
 
 
 def load_value_model(path: str, dtype: str, mesh: DeviceMesh) -> ValueModel:
-    """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2.
-
-    Each decoder layer is its own FSDP unit, then the root (embeddings, final norm, head).
-    Parameters stay fp32 (the optimizer's master copy); `dtype` is the compute dtype.
-    """
+    """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
+    like the policy (`trainer.fsdp.shard_with_fsdp`); `dtype` is the compute dtype."""
     causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    backbone = causal_lm.get_decoder()  # the LM head is dropped: a critic predicts one number
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"critic checkpoint {path!r}: expected a decoder with a `layers` ModuleList "
-            f"(Llama/Qwen-style), got {type(causal_lm).__name__}"
-        )
-    model = ValueModel(backbone, causal_lm.config.hidden_size)
+    layers = decoder_layers(causal_lm, f"critic checkpoint {path!r}")
+    # The LM head is dropped: a critic predicts one number.
+    model = ValueModel(causal_lm.get_decoder(), causal_lm.config.hidden_size)
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
-    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    assert isinstance(model, FSDPModule)
+    shard_with_fsdp(model, layers, mesh, dtype)
     return model
 
 
@@ -181,18 +169,13 @@ class ValueTrainer:
         """
         if batch.returns is None or batch.old_values is None:
             raise ValueError("critic train_step needs batch.returns and batch.old_values")
-        num_mini = self.cfg.trainer.num_mini_batches
-        if num_mini > batch.num_sequences:
-            raise ValueError(
-                f"trainer.num_mini_batches={num_mini} exceeds the {batch.num_sequences} "
-                "sequences in the batch"
-            )
+        mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
         start = time.perf_counter()
         totals = dict.fromkeys(_SUMS, 0.0)
         loss_sum = grad_norm_sum = 0.0
         steps = 0
         for _ in range(self.cfg.trainer.num_epochs):
-            for rows in even_slices(batch.num_sequences, num_mini):
+            for rows in mini_batches:
                 sums = self.accumulate_gradients(batch.select(rows))
                 grad_norm, lr = optimizer_step(
                     self.model, self.optimizer, self.scheduler, self.cfg.critic.max_grad_norm

@@ -44,11 +44,6 @@ class CriticWorker:
         self.trainer.close()
 
 
-def critic_world_size(cfg: Config) -> int:
-    """critic.num_workers, where 0 means as many ranks as the policy trainer."""
-    return cfg.critic.num_workers or cfg.trainer.num_workers
-
-
 def create_critic_group(
     cfg: Config,
     placement_group: PlacementGroup | None,
@@ -56,8 +51,8 @@ def create_critic_group(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
 ) -> list[ActorHandle]:
-    """Start the `critic_world_size(cfg)` CriticWorker ranks (see `start_rank_group`)."""
-    world_size = critic_world_size(cfg)
+    """Start the `cfg.critic_world_size()` CriticWorker ranks (see `start_rank_group`)."""
+    world_size = cfg.critic_world_size()
     if world_size < 1:
         raise ValueError(
             f"critic.num_workers={cfg.critic.num_workers} (0 = trainer.num_workers="

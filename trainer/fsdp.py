@@ -52,29 +52,44 @@ class LogProbModel(nn.Module):
         )
 
 
-def load_sharded(
-    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool
-) -> LogProbModel:
-    """Load `cfg.path` in fp32 and shard it with FSDP2: each decoder layer, then the root.
-
-    Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
-    host memory once per rank). With model.dtype=bfloat16, parameters stay fp32 (the optimizer's
-    master copy) and are cast to bf16 for compute; gradients are reduced in fp32.
-    """
-    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+def decoder_layers(model: PreTrainedModel, source: str) -> nn.ModuleList:
+    """The decoder's layer list (Llama/Qwen-style), each an FSDP unit; `source` names the
+    checkpoint (e.g. "model.path='...'") in the error when there is none."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"model.path={cfg.path!r}: expected a decoder with a `layers` ModuleList "
-            f"(Llama/Qwen-style), got {type(model).__name__}"
+            f"{source}: expected a decoder with a `layers` ModuleList (Llama/Qwen-style), "
+            f"got {type(model).__name__}"
         )
+    return layers
+
+
+def shard_with_fsdp(root: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, dtype: str) -> None:
+    """FSDP2 `fully_shard` on each decoder layer, then on `root` (everything else).
+
+    Parameters stay fp32 (the optimizer's master copy) and are cast to `dtype` for compute;
+    gradients are reduced in fp32.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    assert isinstance(root, FSDPModule)
+
+
+def load_sharded(
+    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool
+) -> LogProbModel:
+    """Load `cfg.path` in fp32 and shard it with FSDP2 (`shard_with_fsdp`).
+
+    Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
+    host memory once per rank).
+    """
+    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+    layers = decoder_layers(model, f"model.path={cfg.path!r}")
     # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
     model.eval()
     model.requires_grad_(trainable)
-    policy = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.dtype], reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
     wrapper = LogProbModel(model, trainer_cfg)
-    fully_shard(wrapper, mesh=mesh, mp_policy=policy)
-    assert isinstance(wrapper, FSDPModule)
+    shard_with_fsdp(wrapper, layers, mesh, cfg.dtype)
     return wrapper

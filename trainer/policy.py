@@ -24,10 +24,10 @@ from trainer.ranks import (
     check_batching,
     init_rank,
     micro_batches,
+    mini_batch_slices,
     optimizer_step,
     rank_rows,
 )
-from trainer.ranks import even_slices as _even_slices
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref")
@@ -149,18 +149,13 @@ class PolicyTrainer:
         actor/* are token-weighted means over the whole step (actor/loss and actor/grad_norm are
         means over optimizer steps, actor/lr the last lr used), plus timing/*.
         """
-        num_mini = self.cfg.trainer.num_mini_batches
-        if num_mini > batch.num_sequences:
-            raise ValueError(
-                f"trainer.num_mini_batches={num_mini} exceeds the {batch.num_sequences} "
-                "sequences in the batch"
-            )
+        mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
         start = time.perf_counter()
         totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
         loss_sum = grad_norm_sum = tokens = 0.0
         steps = 0
         for _ in range(self.cfg.trainer.num_epochs):
-            for rows in _even_slices(batch.num_sequences, num_mini):
+            for rows in mini_batches:
                 metrics = self.accumulate_gradients(batch.select(rows))
                 grad_norm, lr = self._optimizer_step()
                 for name in totals:

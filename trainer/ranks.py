@@ -33,9 +33,17 @@ def rank_rows(num_rows: int, rank: int, world_size: int) -> slice:
     return slice(start, start + base + (rank < extra))
 
 
-def even_slices(num_rows: int, parts: int) -> list[slice]:
-    """`num_rows` split into `parts` contiguous near-equal slices (as `rank_rows`)."""
-    return [rank_rows(num_rows, i, parts) for i in range(parts)]
+def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
+    """A `num_rows` batch as `num_mini_batches` contiguous near-equal slices (as `rank_rows`).
+
+    ValueError when there are fewer rows than mini-batches (an empty optimizer step).
+    """
+    if num_mini_batches > num_rows:
+        raise ValueError(
+            f"trainer.num_mini_batches={num_mini_batches} exceeds the {num_rows} sequences in "
+            "the batch"
+        )
+    return [rank_rows(num_rows, i, num_mini_batches) for i in range(num_mini_batches)]
 
 
 def check_batching(cfg: TrainerConfig) -> None:
