@@ -6,6 +6,7 @@ Every field has a single definition here with a one-line description, which is w
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,24 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter dtype for trainer and rollout."
     )
+    frozen: list[str] = Field(
+        [],
+        description="Glob patterns of HF parameter names the policy never trains (e.g. "
+        "'model.embed_tokens.*'); they are not optimised and not re-sent at weight sync.",
+    )
+
+    def frozen_names(self, names: list[str]) -> list[str]:
+        """The `names` that `frozen` matches; a pattern matching none of them is an error."""
+        matched = []
+        for pattern in self.frozen:
+            hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+            if not hits:
+                raise ValueError(
+                    f"model.frozen: {pattern!r} matches no parameter of {self.path}; names "
+                    f"look like {', '.join(names[:3])}, ..."
+                )
+            matched += hits
+        return matched
 
 
 class BaseBuildConfig(_Section):
@@ -100,7 +119,12 @@ class RolloutConfig(_Section):
         1.0, description="Sampling temperature (also used for trainer log-probs)."
     )
     top_p: float = Field(1.0, description="Nucleus sampling threshold.")
-    weight_bucket_mb: int = Field(64, description="Weight-sync bucket size in MiB.")
+    weight_bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="Weight-sync bucket size in MiB of full fp32 tensors (a layer larger than "
+        "this travels alone); each process holds at most two buckets extra during a sync.",
+    )
 
 
 class TrainerConfig(_Section):

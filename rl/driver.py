@@ -25,6 +25,7 @@ from rl.scheduler import colocate, init_ray
 from rl.tasks import get_task
 from rl.train_group import TrainGroup
 from rl.types import SamplingParams
+from rl.weight_sync import WeightSync
 from trainer.base_model import ensure_base
 
 
@@ -45,6 +46,7 @@ def train(cfg: Config) -> dict[str, float]:
     trainers = TrainGroup(cfg, placement, num_roles_sharing=num_roles)
     has_critic = "critic" in placement.plan.roles
     critic = CriticGroup(cfg, placement, num_roles_sharing=num_roles) if has_critic else None
+    weight_sync = WeightSync(cfg, trainers, rollout)
     # Reward models share bundle 0 like every colocated role.
     scorer = RewardScorer(cfg.reward, task, placement.actor_options(0, num_roles))
     logger = MetricsLogger(cfg, run_dir)
@@ -78,7 +80,7 @@ def train(cfg: Config) -> dict[str, float]:
             if critic is not None:
                 metrics.update(critic.train_step(batch))
         sync_start = time.perf_counter()
-        metrics.update(trainers.push_weights(rollout, version=step))
+        metrics.update(weight_sync.push(version=step))
         sync_s = time.perf_counter() - sync_start
         metrics["rollout/version"] = min(rollout.versions())
 
@@ -105,6 +107,7 @@ def train(cfg: Config) -> dict[str, float]:
         export_dir = trainers.export_hf(run_dir / "hf")
         logger.print(f"final policy exported to {export_dir}")
     logger.close()
+    weight_sync.close()
     scorer.close()
     placement.release()
     return metrics

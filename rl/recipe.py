@@ -296,6 +296,22 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             f"{path}: model.path={cfg.model.path!r} has no config.json; it must be a Hugging Face "
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
+    if cfg.model.frozen:
+        try:
+            cfg.model.frozen_names(_checkpoint_tensor_names(model_dir))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+def _checkpoint_tensor_names(model_dir: Path) -> list[str]:
+    """Tensor names stored in an HF checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    return names
 
 
 def dry_run_report(cfg: Config, path: Path | str) -> str:

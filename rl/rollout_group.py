@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ray
+from ray.actor import ActorHandle
 
 from rl.config import Config
 from rl.scheduler import Placement
@@ -13,13 +14,27 @@ from rollout.worker import RolloutWorker
 class RolloutGroup:
     def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
         tp = cfg.rollout.tensor_parallel_size
-        self.workers = [
-            RolloutWorker.options(**placement.actor_options(index * tp, num_roles_sharing)).remote(
-                cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
-            )
+        self._cfg = cfg
+        self._options = [
+            placement.actor_options(index * tp, num_roles_sharing)
             for index in range(cfg.rollout.num_workers)
         ]
+        self.workers = [self._start(index) for index in range(cfg.rollout.num_workers)]
         ray.get([worker.ready.remote() for worker in self.workers])
+
+    def _start(self, index: int) -> ActorHandle:
+        cfg = self._cfg
+        return RolloutWorker.options(**self._options[index]).remote(
+            cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
+        )
+
+    def restart(self, index: int) -> ActorHandle:
+        """Replace worker `index` (dead or not) by a fresh one on the checkpoint's weights
+        (version 0), in the same place; returns it once its engine is up."""
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self._start(index)
+        ray.get(self.workers[index].ready.remote())
+        return self.workers[index]
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, policy_version: int

@@ -8,7 +8,6 @@ import ray
 import torch
 
 from rl.config import Config
-from rl.rollout_group import RolloutGroup
 from rl.scheduler import Placement
 from rl.types import Batch
 from trainer.worker import create_train_group
@@ -35,14 +34,6 @@ class TrainGroup:
         """One rollout batch of updates; metrics are already reduced over ranks."""
         batch_ref = ray.put(batch)
         return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
-
-    def push_weights(self, rollout: RolloutGroup, version: int) -> dict[str, float]:
-        """Stream the updated weights into every rollout engine; they then serve `version`."""
-        bucket_bytes = self.cfg.rollout.weight_bucket_mb << 20
-        results = ray.get(
-            [w.push_weights.remote(rollout.workers, version, bucket_bytes) for w in self.workers]
-        )
-        return results[0]
 
     def export_hf(self, out_dir: Path) -> Path:
         ray.get([w.export_hf.remote(str(out_dir)) for w in self.workers])

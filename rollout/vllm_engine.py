@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     import vllm
 
 logger = logging.getLogger(__name__)
-
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def _configure_environment() -> int:
@@ -45,80 +42,6 @@ def _configure_environment() -> int:
     return num_threads
 
 
-class WeightAssembler:
-    """Holds weight-sync tensors back until vLLM can load each of its layers whole.
-
-    vLLM reloads a layer once all of its elements have arrived; a bucket that splits one
-    fused layer (q/k/v into qkv_proj, gate/up into gate_up_proj, or a weight from its
-    bias) would leave the rest of that layer uninitialised. Tensors are keyed by HF name.
-
-    `layer_of` maps every HF name vLLM can load to its vLLM layer (module qualname);
-    `aliases` maps an HF name to all names of the same tied parameter (both must be
-    loaded: each tied layer keeps its own repacked copy of the shared weight). Names
-    outside `layer_of` are passed through at `drain`.
-    """
-
-    def __init__(self, layer_of: dict[str, str], aliases: dict[str, tuple[str, ...]]) -> None:
-        self._layer_of = layer_of
-        self._aliases = aliases
-        self._members: dict[str, set[str]] = {}
-        for name, layer in layer_of.items():
-            self._members.setdefault(layer, set()).add(name)
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # layer -> name -> tensor
-        self._unmapped: dict[str, torch.Tensor] = {}
-
-    def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> NamedTensors:
-        """Take one bucket; return the tensors of every layer it completed."""
-        touched: set[str] = set()
-        for name, tensor in named_tensors:
-            for alias in self._aliases.get(name, (name,)):
-                layer = self._layer_of.get(alias)
-                if layer is None:
-                    self._unmapped[alias] = tensor
-                    continue
-                received = self._pending.setdefault(layer, {})
-                # An alias never overrides its own name sent explicitly.
-                if alias == name or alias not in received:
-                    received[alias] = tensor
-                touched.add(layer)
-        ready: NamedTensors = []
-        for layer in touched:
-            if self._pending[layer].keys() == self._members[layer]:
-                ready.extend(self._pending.pop(layer).items())
-        return ready
-
-    def drain(self) -> NamedTensors:
-        """End of an update: return what is left; raise if a layer arrived only in part."""
-        incomplete = {
-            layer: sorted(self._members[layer] - received.keys())
-            for layer, received in self._pending.items()
-        }
-        leftover = list(self._unmapped.items())
-        self._pending.clear()
-        self._unmapped.clear()
-        if incomplete:
-            raise ValueError(f"weight update ended with layers missing tensors: {incomplete}")
-        return leftover
-
-
-def _weight_plan(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """HF name -> vLLM layer, and tied HF name groups, read off a loaded vLLM model."""
-    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    layer_of: dict[str, str] = {}
-    names_of_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        layer, _, leaf = name.rpartition(".")
-        parent, _, last = layer.rpartition(".")
-        prefix = f"{parent}." if parent else ""
-        for source in packed.get(last, [last]):
-            layer_of[f"{prefix}{source}.{leaf}"] = layer
-        names_of_param.setdefault(id(param), []).append(name)
-    aliases = {
-        name: tuple(group) for group in names_of_param.values() if len(group) > 1 for name in group
-    }
-    return layer_of, aliases
-
-
 class VLLMEngine:
     """One vLLM engine in this process.
 
@@ -133,18 +56,16 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            if cfg.tensor_parallel_size != 1:
-                # TP on CPU needs vLLM's multiprocess executor, which serialises
-                # collective_rpc arguments: tensors would need another transport.
-                raise ValueError(
-                    f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: only 1 is "
-                    "supported on CPU"
-                )
             if cfg.kv_cache_gb <= 0:
                 raise ValueError(f"rollout.kv_cache_gb={cfg.kv_cache_gb} must be positive")
             memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
         else:
             memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        if cfg.tensor_parallel_size > 1:
+            # One process per TP rank; the weight receiver reads shared memory in each.
+            memory["distributed_executor_backend"] = "mp"
+            if current_platform.is_cpu():
+                _bind_tp_ranks_to_cpus(cfg.tensor_parallel_size)
         self._cfg = cfg
         self._vllm_sampling_params = vllm.SamplingParams
         self._llm = vllm.LLM(
@@ -162,17 +83,13 @@ class VLLMEngine:
             # which CPU generators do not support ("CPU Generator does not use offset").
             enable_chunked_prefill=not current_platform.is_cpu(),
             disable_log_stats=True,
+            worker_extension_cls="rollout.weight_receiver.WeightReceiver",
             **memory,
         )
         self._tokenizer = self._llm.get_tokenizer()
-        # Every bucket is a partial reload by design: vLLM would warn about each layer and
-        # weight it leaves alone, on every call.
-        for reload_module in ("inplace", "layerwise"):
-            logging.getLogger(f"vllm.model_executor.model_loader.reload.{reload_module}").setLevel(
-                logging.ERROR
-            )
-        self._assembler = WeightAssembler(*self._llm.apply_model(_weight_plan)[0])
         self.version = 0
+        # Set while an update is partly applied: the engine then refuses to serve.
+        self._updating_to: int | None = None
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "vLLM engine for %s ready in %.1f s (%d threads)",
@@ -195,6 +112,7 @@ class VLLMEngine:
         are the behaviour log-probs of its response tokens: log softmax(logits / temperature),
         renormalised over the nucleus when top_p < 1 (greedy: temperature 1).
         """
+        self._check_serving()
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
         if not prompts:
@@ -252,6 +170,7 @@ class VLLMEngine:
 
         Returns one list per sequence, of length len(sequences[i]) - num_prompt_tokens[i].
         """
+        self._check_serving()
         if len(num_prompt_tokens) != len(sequences):
             raise ValueError(
                 f"{len(sequences)} sequences but {len(num_prompt_tokens)} prompt lengths"
@@ -273,24 +192,53 @@ class VLLMEngine:
             for seq, start, output in zip(sequences, num_prompt_tokens, outputs, strict=True)
         ]
 
-    def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Apply one bucket of full HF-named tensors (any subset of the model) in place.
+    def open_weight_sync(self, plan_json: str, slot_paths: list[str]) -> None:
+        """Attach to the sync channel's shared buffers for the transfer plan `plan_json`."""
+        self._llm.collective_rpc("tandem_open_sync", args=(plan_json, slot_paths))
 
-        Tensors of a vLLM layer that is not yet complete wait for later buckets. With tied
-        embeddings either name updates both the embedding and the LM head.
+    def apply_weight_bucket(self, bucket: int, version: int) -> int:
+        """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
+        the busiest TP rank. Until `finish_weight_update` the engine refuses to serve."""
+        self._updating_to = version
+        return max(self._llm.collective_rpc("tandem_apply_bucket", args=(bucket,)))
+
+    def finish_weight_update(self, version: int) -> int:
+        """Close an update: load what was held back, drop stale prefix KV, serve `version`.
+
+        Returns the update's peak extra resident bytes on the busiest TP rank.
         """
-        self._reload(self._assembler.add(named_tensors))
-
-    def finish_weight_update(self, version: int) -> None:
-        """Close an update: load what was held back, drop stale prefix KV, serve `version`."""
-        self._reload(self._assembler.drain())
+        if self._updating_to != version:
+            raise RuntimeError(
+                f"finish_weight_update({version}) without its buckets (updating to "
+                f"{self._updating_to})"
+            )
+        peak = max(self._llm.collective_rpc("tandem_finish_sync"))
         # KV blocks cached under the old weights would be reused for matching prefixes.
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache: requests still running")
-        self.version = version
+        self.version, self._updating_to = version, None
+        return peak
 
-    def _reload(self, named_tensors: NamedTensors) -> None:
-        if named_tensors:
-            # model.load_weights alone would miss the repacked copies vLLM keeps on CPU;
-            # reload_weights re-runs each layer's post-load processing.
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+    def _check_serving(self) -> None:
+        if self._updating_to is not None:
+            raise RuntimeError(
+                f"this rollout engine holds a partly applied weight update (version "
+                f"{self._updating_to} over {self.version}); it serves again after a complete "
+                "sync"
+            )
+
+
+def _bind_tp_ranks_to_cpus(tp_size: int) -> None:
+    """One disjoint set of this process's CPUs per TP rank ("0|1" for two ranks on two CPUs),
+    unless VLLM_CPU_OMP_THREADS_BIND is already set."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp_size:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp_size} needs at least {tp_size} CPUs, this "
+            f"process may use {len(cpus)}"
+        )
+    groups = [
+        cpus[len(cpus) * i // tp_size : len(cpus) * (i + 1) // tp_size] for i in range(tp_size)
+    ]
+    binding = "|".join(",".join(map(str, group)) for group in groups)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)

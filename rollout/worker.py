@@ -8,7 +8,6 @@ engine sizes its thread pool from it.
 from __future__ import annotations
 
 import ray
-import torch
 
 from rl.config import RolloutConfig
 from rl.types import Sample, SamplingParams
@@ -26,6 +25,9 @@ class RolloutWorker:
         """Returns once the engine is up: the seconds its startup took."""
         return self._engine.startup_seconds
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -40,13 +42,14 @@ class RolloutWorker:
         """Temperature-1 log-probs of each sequence's tokens after its prompt."""
         return self._engine.score(sequences, num_prompt_tokens)
 
-    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Apply one bucket of (HF name, full CPU tensor); Ray resolves a passed ObjectRef."""
-        self._engine.load_weights(bucket)
+    def open_weight_sync(self, plan_json: str, slot_paths: list[str]) -> None:
+        self._engine.open_weight_sync(plan_json, slot_paths)
 
-    def finish_weight_update(self, version: int) -> None:
-        """All buckets of `version` were sent: finish loading and serve it."""
-        self._engine.finish_weight_update(version)
+    def apply_weight_bucket(self, bucket: int, version: int) -> int:
+        return self._engine.apply_weight_bucket(bucket, version)
+
+    def finish_weight_update(self, version: int) -> int:
+        return self._engine.finish_weight_update(version)
 
     def version(self) -> int:
         """The policy version of the weights being served."""

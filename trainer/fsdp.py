@@ -90,6 +90,9 @@ def load_sharded(
     # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
     model.eval()
     model.requires_grad_(trainable)
+    if trainable:
+        for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
+            model.get_parameter(name).requires_grad_(False)
     wrapper = LogProbModel(model, trainer_cfg)
     shard_with_fsdp(wrapper, layers, mesh, cfg.dtype)
     return wrapper

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from rl.config import AlgorithmConfig, Config
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
+from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
 from trainer.fsdp import LogProbModel, load_sharded
 from trainer.hf_model import save_hf_atomic
 from trainer.ranks import (
@@ -28,6 +29,7 @@ from trainer.ranks import (
     optimizer_step,
     rank_rows,
 )
+from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref")
@@ -58,8 +60,9 @@ class PolicyTrainer:
         self.reference: LogProbModel | None = None
         if cfg.algorithm.kl_coef > 0:
             self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
+        self.sender: WeightSender | None = None  # set by open_weight_sender
         self.optimizer, self.scheduler = adamw_with_warmup(
-            self.policy.parameters(),
+            [p for p in self.policy.parameters() if p.requires_grad],
             cfg.trainer.lr,
             cfg.trainer.betas,
             cfg.trainer.weight_decay,
@@ -180,34 +183,21 @@ class PolicyTrainer:
         )
         return out
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters in HF checkpoint names, grouped into buckets of ~bucket_bytes.
+    def weight_sync_spec(self) -> tuple[list[TensorSpec], AttentionShape]:
+        """What the transfer plan needs: the tensors a sync sends and the attention sizes."""
+        model = self.policy.model
+        return trained_tensors(model), attention_shape(model.config)
 
-        Collective: every rank must exhaust the iterator (each parameter is all-gathered).
-        Rank 0 yields lists of (name, full fp32 CPU tensor); other ranks yield empty lists at
-        the same points. At most one bucket (plus one parameter) is materialised at a time.
-        Tied parameters are yielded under every name: with tie_word_embeddings that includes
-        `lm_head.weight`, because vLLM on CPU keeps its own lm_head copy.
-        """
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        gathered: dict[int, torch.Tensor] = {}  # id(param) -> full tensor, for tied names
-        for name, param in self.policy.model.named_parameters(remove_duplicate=False):
-            nbytes = param.numel() * 4  # shipped as fp32
-            if size and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size, gathered = [], 0, {}
-            full = gathered.get(id(param))
-            if full is None:
-                data = param.detach()
-                full = data.full_tensor() if isinstance(data, DTensor) else data
-                full = full.to("cpu", torch.float32) if self.rank == 0 else full[:0]
-                gathered[id(param)] = full
-            if self.rank == 0:
-                bucket.append((name, full))
-            size += nbytes
-        if size:
-            yield bucket
+    def open_weight_sender(self, plan: WeightSyncPlan, prefix: str) -> list[str]:
+        """Create this rank's shared-memory slots for `plan`; returns their paths."""
+        self.sender = WeightSender(self.policy.model, plan, self.rank, prefix)
+        return self.sender.paths
+
+    def write_weight_bucket(self, bucket: int) -> dict[str, float]:
+        """This rank's rows of `bucket` into its slot (see `WeightSender.write`). Not collective."""
+        if bucket == 0:
+            self.policy.reshard()  # after a forward the FSDP root holds full parameters
+        return self.sender.write(bucket)
 
     def export_hf(self, out_dir: str) -> None:
         """Write the policy as an HF checkpoint (safetensors, config, tokenizer) to `out_dir`.

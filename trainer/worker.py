@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import ray
 import torch
@@ -13,6 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl.config import Config
 from rl.types import Batch
+from rl.weight_plan import AttentionShape, TensorSpec, plan_from_json
 from trainer.policy import PolicyTrainer
 
 
@@ -48,32 +48,17 @@ class TrainWorker:
     def parameter_checksum(self) -> float:
         return self.trainer.parameter_checksum()
 
-    def push_weights(
-        self, rollout_workers: list[ActorHandle], version: int, bucket_bytes: int
-    ) -> dict[str, float]:
-        """Stream the full weights into every rollout worker, one bucket in flight.
+    def weight_sync_spec(self) -> tuple[list[TensorSpec], AttentionShape]:
+        return self.trainer.weight_sync_spec()
 
-        Every rank must call this (gathering is collective); rank 0 sends each bucket through
-        the object store, waits until all workers have loaded it, then tells them the new
-        `version` is complete. Returns timing and (rank 0's, else zero) size metrics.
-        """
-        start = time.perf_counter()
-        num_bytes = num_buckets = 0
-        for bucket in self.trainer.weight_buckets(bucket_bytes):
-            if self.rank != 0:
-                continue
-            ref = ray.put(bucket)
-            ray.get([w.load_weights.remote(ref) for w in rollout_workers])
-            del ref  # let the object store free the bucket before the next one
-            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            num_buckets += 1
-        if self.rank == 0:
-            ray.get([w.finish_weight_update.remote(version) for w in rollout_workers])
-        return {
-            "weight_sync/seconds": time.perf_counter() - start,
-            "weight_sync/bytes": float(num_bytes),
-            "weight_sync/buckets": float(num_buckets),
-        }
+    def open_weight_sender(self, plan_json: str, prefix: str) -> list[str]:
+        return self.trainer.open_weight_sender(plan_from_json(plan_json), prefix)
+
+    def write_weight_bucket(self, bucket: int) -> dict[str, float]:
+        return self.trainer.write_weight_bucket(bucket)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 def rendezvous_address() -> tuple[str, int]:

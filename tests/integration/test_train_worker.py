@@ -1,15 +1,17 @@
 """The FSDP2 trainer on a real 2-rank gloo group: exact data-parallel gradients, Ray actors,
-weight streaming and HF export, on the tiny checkpoints of tests/conftest.py."""
+weight-sync buffers and HF export, on the tiny checkpoints of tests/conftest.py."""
 
 from __future__ import annotations
 
 import math
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -17,6 +19,8 @@ from transformers import AutoModelForCausalLM
 from rl.config import Config
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
+from rl.weight_plan import WeightSyncPlan, load_unit, plan_to_json, plan_weight_sync
+from rl.weight_transport import bucket_tensors, open_slots, remove_slots, slot_paths
 from trainer.policy import PolicyTrainer, rank_rows
 from trainer.worker import create_train_group
 
@@ -98,9 +102,34 @@ def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> No
         trainer.optimizer.zero_grad()
     # Still at the initial weights: the step's grad norm is that of the last aggregation.
     result["train_step"] = trainer.train_step(batch)
-    result["bucket_names"] = [n for b in trainer.weight_buckets(1 << 14) for n, _ in b]
+    result["synced"], result["full"] = _sync_between_ranks(trainer, rank, f"tandem-test-{port}")
     torch.save(result, out / f"rank{rank}.pt")
     trainer.close()
+
+
+def _sync_between_ranks(
+    trainer: PolicyTrainer, rank: int, prefix: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Both ranks write their shards bucket by bucket; rank 0 reads the tensors back.
+    Returns (what rank 0 read, the full parameters) on rank 0, empty dicts on rank 1."""
+    specs, shape = trainer.weight_sync_spec()
+    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14)
+    if rank == 0:  # rank 0 creates the buffers
+        trainer.open_weight_sender(plan, prefix)
+    dist.barrier()
+    if rank == 1:
+        trainer.open_weight_sender(plan, prefix)
+    full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
+    slots = open_slots(slot_paths(prefix), plan.slot_numel)
+    synced = {}
+    for bucket in range(len(plan.buckets)):
+        trainer.write_weight_bucket(bucket)
+        dist.barrier()
+        if rank == 0:
+            synced |= {n: t.clone() for n, t in bucket_tensors(slots[bucket % 2], plan, bucket)}
+        dist.barrier()  # read before the slot is reused
+    remove_slots(prefix)
+    return (synced, full) if rank == 0 else ({}, {})
 
 
 def test_two_ranks_with_micro_batches_equal_one_full_batch(
@@ -145,9 +174,11 @@ def test_two_ranks_with_micro_batches_equal_one_full_batch(
     assert ranks[0]["train_step"]["actor/grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
     assert ranks[0]["train_step"]["actor/loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
 
+    # Weight sync after the step: each rank wrote only its rows, the buffers hold every tensor.
     untied = list(load_file(tiny_model_dir / "model.safetensors"))
-    assert sorted(ranks[0]["bucket_names"]) == sorted(untied)
-    assert ranks[1]["bucket_names"] == []
+    assert sorted(ranks[0]["synced"]) == sorted(untied)
+    for name, tensor in ranks[0]["synced"].items():
+        assert torch.equal(tensor, ranks[0]["full"][name]), name
 
 
 def _impl_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> None:
@@ -183,24 +214,6 @@ def test_fused_kernel_and_naive_path_give_the_same_logprobs_and_step(
 # ---- the Ray actor group ------------------------------------------------------------------
 
 
-@ray.remote(num_cpus=0)
-class RecordingRollout:
-    """Stands in for rollout.worker.RolloutWorker's weight-receiving side."""
-
-    def __init__(self) -> None:
-        self.buckets: list[list[tuple[str, torch.Tensor]]] = []
-        self.versions: list[int] = []
-
-    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self.buckets.append(bucket)
-
-    def finish_weight_update(self, version: int) -> None:
-        self.versions.append(version)
-
-    def received(self) -> tuple[list[list[tuple[str, torch.Tensor]]], list[int]]:
-        return self.buckets, self.versions
-
-
 @pytest.fixture(scope="module")
 def group(tiny_tied_model_dir: Path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -211,41 +224,44 @@ def group(tiny_tied_model_dir: Path):
         ray.shutdown()
 
 
-def _push(group: list, version: int, bucket_bytes: int) -> tuple[list, dict[str, float]]:
-    """push_weights into a fresh recording stub: (its buckets, rank 0's metrics)."""
-    stub = RecordingRollout.remote()
-    results = ray.get([w.push_weights.remote([stub], version, bucket_bytes) for w in group])
-    buckets, versions = ray.get(stub.received.remote())
-    assert versions == [version]
-    return buckets, results[0]
+def _sync(group: list, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], WeightSyncPlan]:
+    """The ranks write every bucket through the shared buffers; returns what a reader saw."""
+    specs, shape = ray.get(group[0].weight_sync_spec.remote())
+    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=bucket_bytes)
+    prefix = f"tandem-test-{uuid.uuid4().hex[:8]}"
+    paths = ray.get(group[0].open_weight_sender.remote(plan_to_json(plan), prefix))
+    ray.get(group[1].open_weight_sender.remote(plan_to_json(plan), prefix))
+    slots = open_slots(paths, plan.slot_numel)
+    received: dict[str, torch.Tensor] = {}
+    try:
+        for bucket in range(len(plan.buckets)):
+            ray.get([w.write_weight_bucket.remote(bucket) for w in group])
+            for name, tensor in bucket_tensors(slots[bucket % 2], plan, bucket):
+                assert name not in received
+                received[name] = tensor.clone()
+    finally:
+        remove_slots(prefix)
+    return received, plan
 
 
 def _checksum(group: list) -> float:
     return ray.get([w.parameter_checksum.remote() for w in group])[0]  # collective
 
 
-def _flat(buckets: list) -> dict[str, torch.Tensor]:
-    names = [name for bucket in buckets for name, _ in bucket]
-    assert len(names) == len(set(names))
-    return {name: tensor for bucket in buckets for name, tensor in bucket}
-
-
-def test_push_weights_streams_hf_names_and_tied_lm_head(
+def test_sync_buffers_carry_hf_names_with_a_tied_embedding_once(
     group: list, tiny_tied_model_dir: Path
 ) -> None:
     bucket_bytes = 40_000
-    buckets, metrics = _push(group, version=0, bucket_bytes=bucket_bytes)
+    received, plan = _sync(group, bucket_bytes)
     checkpoint = load_file(tiny_tied_model_dir / "model.safetensors")
     assert "lm_head.weight" not in checkpoint  # tied: saved once, under the embedding's name
-    received = _flat(buckets)
-    assert sorted(received) == sorted([*checkpoint, "lm_head.weight"])
+    assert sorted(received) == sorted(checkpoint)  # and sent once: vLLM ties it back
     for name, tensor in checkpoint.items():
         assert torch.equal(received[name], tensor), name
-    assert torch.equal(received["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
-    assert len(buckets) == metrics["weight_sync/buckets"] > 1
-    for bucket in buckets:  # over budget only when one tensor alone is
-        assert len(bucket) == 1 or sum(t.numel() * 4 for _, t in bucket) <= bucket_bytes
-    assert metrics["weight_sync/bytes"] == sum(t.numel() * 4 for t in received.values())
+    assert len(plan.buckets) > 1
+    for bucket in plan.buckets:  # over budget only when one load unit alone is
+        size = sum(s.num_rows * s.num_cols * 4 for s in bucket)
+        assert size <= bucket_bytes or len({load_unit(s.name) for s in bucket}) == 1
 
 
 def test_train_step_updates_parameters(group: list, tiny_tied_model_dir: Path) -> None:
@@ -266,16 +282,17 @@ def test_train_step_updates_parameters(group: list, tiny_tied_model_dir: Path) -
             assert results[1][key] == pytest.approx(value, rel=1e-6), key
 
 
-def test_export_hf_round_trips_and_matches_pushed_weights(group: list, tmp_path: Path) -> None:
+def test_export_hf_round_trips_and_matches_synced_weights(group: list, tmp_path: Path) -> None:
     out_dir = tmp_path / "export"
     ray.get([w.export_hf.remote(str(out_dir)) for w in group])
     exported = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     assert exported.config.tie_word_embeddings
-    received = _flat(_push(group, version=1, bucket_bytes=1 << 20)[0])
+    received, _ = _sync(group, bucket_bytes=1 << 20)
     state = exported.state_dict()
-    assert sorted(state) == sorted(received)
+    assert sorted(state) == sorted([*received, "lm_head.weight"])
     for name, tensor in state.items():
-        assert torch.equal(tensor, received[name]), name
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        assert torch.equal(tensor, received[source]), name
 
     batch = _make_batch(exported, num_rows=5, seq_len=10, seed=2)
     batch_ref = ray.put(batch)

@@ -65,6 +65,13 @@ def test_missing_model_path_says_how_to_build_it() -> None:
     assert f"rl build-base {DEMO}" in result.stderr
 
 
+def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> None:
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", "model.frozen=[model.embed.*]")
+    assert result.returncode == 2
+    assert "model.frozen: 'model.embed.*' matches no parameter" in result.stderr
+    assert "model.embed_tokens.weight" in result.stderr  # the names it could have meant
+
+
 @pytest.mark.parametrize(
     "override",
     [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from rollout.vllm_engine import WeightAssembler, _weight_plan
+from rollout.weight_receiver import WeightAssembler, weight_layers
 
 
 class _Attention(nn.Module):
@@ -31,7 +31,7 @@ class _TinyVLLMModel(nn.Module):
 
 
 def _assembler() -> WeightAssembler:
-    return WeightAssembler(*_weight_plan(_TinyVLLMModel()))
+    return WeightAssembler(*weight_layers(_TinyVLLMModel()))
 
 
 def _t(value: float) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _t(value: float) -> torch.Tensor:
 
 
 def test_plan_maps_fused_sources_and_tied_names() -> None:
-    layer_of, aliases = _weight_plan(_TinyVLLMModel())
+    layer_of, aliases = weight_layers(_TinyVLLMModel())
     assert layer_of == {
         "model.embed_tokens.weight": "model.embed_tokens",
         "model.self_attn.q_proj.weight": "model.self_attn.qkv_proj",
@@ -95,3 +95,24 @@ def test_drain_rejects_a_layer_sent_in_part() -> None:
     with pytest.raises(ValueError, match="k_proj.bias"):
         assembler.drain()
     assert assembler.drain() == []
+
+
+def test_reset_forgets_a_layer_held_back_by_an_interrupted_update() -> None:
+    assembler = _assembler()
+    assembler.add([("model.self_attn.q_proj.weight", _t(1))])
+    assembler.reset()
+    assert assembler.drain() == []
+
+
+def test_held_tensors_are_copied_off_a_reused_buffer() -> None:
+    assembler = _assembler()
+    buffer = torch.ones(2)
+    assembler.add([("model.self_attn.q_proj.weight", buffer[:1])])
+    assembler.own_held()
+    buffer.fill_(5.0)  # the transport reuses its buffer for a later bucket
+    prefix = "model.self_attn."
+    rest = [
+        (f"{prefix}{p}.{leaf}", _t(0)) for p in ("k_proj", "v_proj") for leaf in ("weight", "bias")
+    ]
+    ready = dict(assembler.add(rest + [(f"{prefix}q_proj.bias", _t(0))]))
+    assert ready[f"{prefix}q_proj.weight"].item() == 1.0

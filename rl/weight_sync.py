@@ -1,0 +1,134 @@
+"""The driver's side of weight sync: plan the transfer once, then stream each update.
+
+Per bucket, every trainer rank writes its own FSDP2 rows into its shared-memory slot and
+every rollout worker (each of its TP ranks) reads the regions it loads; the next bucket is
+written into the other slot while the current one is read. A rollout worker lost mid-update
+is dropped from it, replaced by a fresh engine and sent the whole current version.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import ray
+from ray.exceptions import RayActorError
+
+from rl.config import Config
+from rl.rollout_group import RolloutGroup
+from rl.train_group import TrainGroup
+from rl.weight_plan import WeightSyncPlan, plan_to_json, plan_weight_sync
+from rl.weight_transport import remove_slots
+
+_MB = float(1 << 20)
+
+
+class WeightSync:
+    """One sync channel from the trainer group to the rollout workers."""
+
+    def __init__(self, cfg: Config, trainers: TrainGroup, rollout: RolloutGroup) -> None:
+        self._trainers, self._rollout = trainers.workers, rollout
+        tensors, shape = ray.get(self._trainers[0].weight_sync_spec.remote())
+        self.plan: WeightSyncPlan = plan_weight_sync(
+            tensors,
+            shape,
+            world_size=len(self._trainers),
+            tp_size=cfg.rollout.tensor_parallel_size,
+            bucket_bytes=int(cfg.rollout.weight_bucket_mb * (1 << 20)),
+        )
+        self._check_one_host()
+        self._plan_json = plan_to_json(self.plan)
+        self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
+        # Rank 0 creates the shared buffers the other ranks then map.
+        first, *rest = self._trainers
+        self._slot_paths = ray.get(first.open_weight_sender.remote(self._plan_json, self._prefix))
+        ray.get([w.open_weight_sender.remote(self._plan_json, self._prefix) for w in rest])
+        ray.get([self._open(worker) for worker in rollout.workers])
+        self.failed: list[int] = []  # rollout workers lost during the last `stream`
+        self.metrics: dict[str, float] = {}  # of the last `stream`
+
+    def _check_one_host(self) -> None:
+        nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
+        nodes |= set(ray.get([w.node_id.remote() for w in self._rollout.workers]))
+        if len(nodes) > 1:
+            raise ValueError(
+                f"weight sync uses shared memory, but the trainer and rollout workers run on "
+                f"{len(nodes)} nodes; place them on one node (a PACK placement group)"
+            )
+
+    def _open(self, worker: ray.actor.ActorHandle) -> ray.ObjectRef:
+        return worker.open_weight_sync.remote(self._plan_json, self._slot_paths)
+
+    def stream(self, version: int, indices: list[int] | None = None) -> Iterator[int]:
+        """Send `version` to rollout workers `indices` (default all); yields each bucket index
+        once every live receiver has applied it. Workers that die are dropped and listed in
+        `self.failed`; the others serve `version` when the stream ends."""
+        indices = list(range(len(self._rollout.workers))) if indices is None else indices
+        receivers = {i: self._rollout.workers[i] for i in indices}
+        self.failed = []
+        start = time.perf_counter()
+        num_buckets = len(self.plan.buckets)
+        writes = [w.write_weight_bucket.remote(0) for w in self._trainers]
+        write_stats: list[dict[str, float]] = []
+        num_bytes = write_s = 0.0
+        for bucket in range(num_buckets):
+            write_stats = ray.get(writes)
+            write_s += max(stat["seconds"] for stat in write_stats)
+            applied = self._gather(
+                receivers,
+                {i: r.apply_weight_bucket.remote(bucket, version) for i, r in receivers.items()},
+            )
+            if bucket + 1 < num_buckets:
+                # The other slot held bucket - 1, which every receiver has applied.
+                writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
+            num_bytes += max(applied, default=0)
+            yield bucket
+        peaks = self._gather(
+            receivers, {i: r.finish_weight_update.remote(version) for i, r in receivers.items()}
+        )
+        self.metrics = {
+            "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/trainer_write_s": write_s,
+            "weight_sync/buckets": float(num_buckets),
+            "weight_sync/mb_per_rollout_rank": num_bytes / _MB,
+            "weight_sync/mb_full_model": self.plan.total_bytes / _MB,
+            "weight_sync/trainer_peak_extra_mb": max(s["peak_extra_bytes"] for s in write_stats)
+            / _MB,
+            "weight_sync/rollout_peak_extra_mb": max(peaks, default=0) / _MB,
+        }
+
+    def _gather(self, receivers: dict, refs: dict[int, ray.ObjectRef]) -> list:
+        """Results of `refs`; a receiver whose actor died is dropped from `receivers`."""
+        results = []
+        for index, ref in refs.items():
+            try:
+                results.append(ray.get(ref))
+            except RayActorError:
+                del receivers[index]
+                self.failed.append(index)
+        return results
+
+    def repair(self, version: int) -> None:
+        """Replace the workers lost in the last `stream` and send them `version` whole."""
+        lost = self.failed
+        for index in lost:
+            ray.get(self._open(self._rollout.restart(index)))
+        for _ in self.stream(version, lost):
+            pass
+        if self.failed:
+            raise RuntimeError(f"rollout workers {self.failed} died again receiving {version}")
+
+    def push(self, version: int) -> dict[str, float]:
+        """Every rollout worker serves `version` on return (lost ones are replaced)."""
+        for _ in self.stream(version):
+            pass
+        metrics = dict(self.metrics)
+        metrics["weight_sync/workers_replaced"] = float(len(self.failed))
+        if self.failed:
+            self.repair(version)
+        return metrics
+
+    def close(self) -> None:
+        """Delete the shared-memory slots."""
+        remove_slots(self._prefix)

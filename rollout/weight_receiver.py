@@ -1,0 +1,178 @@
+"""The receiving side of weight sync, inside each vLLM worker process (one per TP rank).
+
+`WeightReceiver` is a vLLM worker extension (`worker_extension_cls`): its methods are mixed
+into vLLM's worker class and called through `collective_rpc`, so with tensor parallelism each
+rank's process reads its own region of every tensor straight from the trainer's shared-memory
+slots. Only bucket indices cross the RPC (vLLM serialises RPC arguments to worker processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rl.weight_plan import WeightSyncPlan, plan_from_json
+from rl.weight_transport import NUM_SLOTS, bucket_tensors, open_slots
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightAssembler:
+    """Holds weight-sync tensors back until vLLM can load each of its layers whole.
+
+    vLLM reloads a layer once all of its elements have arrived; a bucket that splits one
+    fused layer (q/k/v into qkv_proj, gate/up into gate_up_proj, or a weight from its
+    bias) would leave the rest of that layer uninitialised. Tensors are keyed by HF name.
+
+    `layer_of` maps every HF name vLLM can load to its vLLM layer (module qualname);
+    `aliases` maps an HF name to all names of the same tied parameter (both must be
+    loaded: each tied layer keeps its own repacked copy of the shared weight). Names
+    outside `layer_of` are passed through at `drain`.
+    """
+
+    def __init__(self, layer_of: dict[str, str], aliases: dict[str, tuple[str, ...]]) -> None:
+        self._layer_of = layer_of
+        self._aliases = aliases
+        self._members: dict[str, set[str]] = {}
+        for name, layer in layer_of.items():
+            self._members.setdefault(layer, set()).add(name)
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # layer -> name -> tensor
+        self._unmapped: dict[str, torch.Tensor] = {}
+
+    def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> NamedTensors:
+        """Take one bucket; return the tensors of every layer it completed."""
+        touched: set[str] = set()
+        for name, tensor in named_tensors:
+            for alias in self._aliases.get(name, (name,)):
+                layer = self._layer_of.get(alias)
+                if layer is None:
+                    self._unmapped[alias] = tensor
+                    continue
+                received = self._pending.setdefault(layer, {})
+                # An alias never overrides its own name sent explicitly.
+                if alias == name or alias not in received:
+                    received[alias] = tensor
+                touched.add(layer)
+        ready: NamedTensors = []
+        for layer in touched:
+            if self._pending[layer].keys() == self._members[layer]:
+                ready.extend(self._pending.pop(layer).items())
+        return ready
+
+    def own_held(self) -> None:
+        """Replace every tensor held back by a private copy (held tensors may be views of a
+        buffer that is reused)."""
+        for received in self._pending.values():
+            for name, tensor in received.items():
+                received[name] = tensor.clone()
+        for name, tensor in self._unmapped.items():
+            self._unmapped[name] = tensor.clone()
+
+    def reset(self) -> None:
+        """Forget every tensor held back."""
+        self._pending.clear()
+        self._unmapped.clear()
+
+    def drain(self) -> NamedTensors:
+        """End of an update: return what is left; raise if a layer arrived only in part."""
+        incomplete = {
+            layer: sorted(self._members[layer] - received.keys())
+            for layer, received in self._pending.items()
+        }
+        leftover = list(self._unmapped.items())
+        self.reset()
+        if incomplete:
+            raise ValueError(f"weight update ended with layers missing tensors: {incomplete}")
+        return leftover
+
+
+def weight_layers(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """HF name -> vLLM layer, and tied HF name groups, read off a loaded vLLM model."""
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    layer_of: dict[str, str] = {}
+    names_of_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layer, _, leaf = name.rpartition(".")
+        parent, _, last = layer.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        for source in packed.get(last, [last]):
+            layer_of[f"{prefix}{source}.{leaf}"] = layer
+        names_of_param.setdefault(id(param), []).append(name)
+    aliases = {
+        name: tuple(group) for group in names_of_param.values() if len(group) > 1 for name in group
+    }
+    return layer_of, aliases
+
+
+@dataclass
+class _Channel:
+    plan: WeightSyncPlan
+    tp_rank: int
+    slots: list[torch.Tensor]  # the channel's shared buffers
+    assembler: WeightAssembler
+    base_rss: int = 0  # resident bytes when the current update began
+
+
+class WeightReceiver:
+    """vLLM worker extension: apply weight-sync buckets from shared memory, all TP ranks alike.
+
+    Methods run on the vLLM worker (`self` is the worker; `self.model_runner.model` the model).
+    """
+
+    def tandem_open_sync(self, plan_json: str, slot_paths: list[str]) -> None:
+        """Map the channel's shared buffers for the transfer plan `plan_json`."""
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        plan = plan_from_json(plan_json)
+        tp_size = get_tensor_model_parallel_world_size()
+        if plan.tp_size != tp_size:
+            raise ValueError(
+                f"transfer plan is for TP={plan.tp_size}, this engine runs TP={tp_size}"
+            )
+        # Every bucket is a partial reload by design: vLLM would warn about each layer and
+        # weight it leaves alone, on every call, in every worker process.
+        for module in ("inplace", "layerwise"):
+            name = f"vllm.model_executor.model_loader.reload.{module}"
+            logging.getLogger(name).setLevel(logging.ERROR)
+        self._tandem_channel = _Channel(
+            plan=plan,
+            tp_rank=get_tensor_model_parallel_rank(),
+            slots=open_slots(slot_paths, plan.slot_numel),
+            assembler=WeightAssembler(*weight_layers(self.model_runner.model)),
+        )
+
+    def tandem_apply_bucket(self, bucket: int) -> int:
+        """Load every layer `bucket` completes, straight from shared memory (vLLM's loaders copy
+        out this rank's region); returns the bytes this rank loads."""
+        channel = self._tandem_channel
+        if bucket == 0:  # a new update: drop what an interrupted one left held back
+            channel.assembler.reset()
+            channel.base_rss = rss_bytes()
+            reset_peak_rss()
+        plan = channel.plan
+        ready = channel.assembler.add(
+            bucket_tensors(channel.slots[bucket % NUM_SLOTS], plan, bucket)
+        )
+        # What waits for a later bucket must outlive this slot, which is rewritten soon.
+        channel.assembler.own_held()
+        self._tandem_reload(ready)
+        return 4 * sum(plan.region(spec, channel.tp_rank).numel for spec in plan.buckets[bucket])
+
+    def tandem_finish_sync(self) -> int:
+        """Load what was held back; returns the update's peak extra resident bytes."""
+        channel = self._tandem_channel
+        self._tandem_reload(channel.assembler.drain())
+        return max(peak_rss_bytes() - channel.base_rss, 0)
+
+    def _tandem_reload(self, named_tensors: NamedTensors) -> None:
+        if named_tensors:
+            # model.load_weights alone would miss the repacked copies vLLM keeps on CPU;
+            # reload_weights re-runs each layer's post-load processing.
+            self.reload_weights(weights_iterator=named_tensors)

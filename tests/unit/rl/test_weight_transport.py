@@ -1,0 +1,78 @@
+"""The shared-memory transport: FSDP2 shards written in place, whole tensors read back."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl.weight_plan import AttentionShape, TensorSpec, owned_rows, plan_weight_sync
+from rl.weight_transport import (
+    NUM_SLOTS,
+    SHM_DIR,
+    bucket_tensors,
+    create_slots,
+    open_slots,
+    remove_slots,
+    slot_paths,
+    write_rows,
+)
+
+SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1000)
+SPECS = [
+    TensorSpec("model.embed_tokens.weight", (1000, 128)),
+    TensorSpec("model.layers.0.self_attn.q_proj.weight", (128, 128)),
+    TensorSpec("model.layers.0.self_attn.q_proj.bias", (128,)),
+    TensorSpec("model.layers.0.self_attn.k_proj.weight", (64, 128)),
+    TensorSpec("model.layers.0.self_attn.v_proj.weight", (64, 128)),
+    TensorSpec("model.layers.0.self_attn.o_proj.weight", (128, 128)),
+    TensorSpec("model.layers.0.mlp.down_proj.weight", (128, 256)),
+    TensorSpec("model.norm.weight", (128,)),
+]
+
+
+@pytest.fixture
+def prefix():
+    name = f"tandem-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    remove_slots(name)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_writing_their_rows_leave_whole_tensors_in_the_slot(
+    prefix: str, world_size: int
+) -> None:
+    plan = plan_weight_sync(SPECS, SHAPE, world_size, 2, bucket_bytes=100_000)
+    assert len(plan.buckets) > NUM_SLOTS  # slots are reused
+    full = {
+        s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i))
+        for i, s in enumerate(SPECS)
+    }
+    writers = [create_slots(prefix, plan.slot_numel)]
+    writers += [open_slots(slot_paths(prefix), plan.slot_numel) for _ in range(1, world_size)]
+    reader = open_slots(slot_paths(prefix), plan.slot_numel)  # another process's mapping
+    for bucket in range(len(plan.buckets)):
+        for rank in range(world_size):
+            shards = {
+                s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, world_size))]
+                for s in plan.buckets[bucket]
+            }
+            write_rows(writers[rank][bucket % NUM_SLOTS], plan, bucket, rank, shards)
+        got = bucket_tensors(reader[bucket % NUM_SLOTS], plan, bucket)
+        assert [name for name, _ in got] == [s.name for s in plan.buckets[bucket]]
+        for name, tensor in got:
+            assert torch.equal(tensor, full[name]), name
+
+
+def test_missing_slot_files_name_the_host_requirement(prefix: str) -> None:
+    with pytest.raises(FileNotFoundError, match="share one host"):
+        open_slots(slot_paths(prefix), 16)
+
+
+def test_remove_slots_deletes_the_channel_files(prefix: str) -> None:
+    create_slots(prefix, 16)
+    assert len(list(SHM_DIR.glob(f"{prefix}-*"))) == NUM_SLOTS
+    remove_slots(prefix)
+    assert not any(Path(p).exists() for p in slot_paths(prefix))

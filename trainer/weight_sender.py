@@ -1,0 +1,75 @@
+"""The sending side of weight sync on one trainer rank: its own FSDP2 shard rows, straight into
+shared memory. No all-gather: every rank writes only the rows it holds."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
+from rl.weight_transport import NUM_SLOTS, create_slots, open_slots, slot_paths, write_rows
+
+
+def trained_tensors(model: nn.Module) -> list[TensorSpec]:
+    """The parameters a sync sends, in model order, under HF names: trainable ones only (frozen
+    ones never change, the rollout has them from the checkpoint), tied ones once."""
+    specs = []
+    for name, param in model.named_parameters():  # tied parameters appear once
+        if param.requires_grad:
+            specs.append(TensorSpec(name, tuple(param.shape)))  # a DTensor's global shape
+    return specs
+
+
+def attention_shape(config: PretrainedConfig) -> AttentionShape:
+    """The slicing-relevant sizes of a Llama/Qwen-style HF config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return AttentionShape(
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+    )
+
+
+class WeightSender:
+    """Writes trainer `rank`'s rows of each bucket of `plan` into the channel's shared buffers
+    (rank 0 creates them: it must be constructed first)."""
+
+    def __init__(self, model: nn.Module, plan: WeightSyncPlan, rank: int, prefix: str) -> None:
+        self._model, self._plan, self._rank = model, plan, rank
+        self.paths = slot_paths(prefix)
+        if rank == 0:
+            self._slots = create_slots(prefix, plan.slot_numel)
+        else:
+            self._slots = open_slots(self.paths, plan.slot_numel)
+        self._base_rss = 0
+
+    @torch.no_grad()
+    def write(self, bucket: int) -> dict[str, float]:
+        """Fill slot bucket % 2 with this rank's rows of `bucket`. The model must be resharded
+        (FSDP2 swaps in full parameters while unsharded).
+
+        Returns the seconds it took and the peak extra resident bytes since bucket 0.
+        """
+        start = time.perf_counter()
+        if bucket == 0:
+            self._base_rss = rss_bytes()
+            reset_peak_rss()
+        params = dict(self._model.named_parameters())
+        local = {spec.name: _local_rows(params[spec.name]) for spec in self._plan.buckets[bucket]}
+        write_rows(self._slots[bucket % NUM_SLOTS], self._plan, bucket, self._rank, local)
+        return {
+            "seconds": time.perf_counter() - start,
+            "peak_extra_bytes": float(max(peak_rss_bytes() - self._base_rss, 0)),
+        }
+
+
+def _local_rows(param: torch.Tensor) -> torch.Tensor:
+    """This rank's dim-0 shard of an FSDP2 parameter (the whole tensor when unsharded, W = 1)."""
+    param = param.detach()
+    return param.to_local() if isinstance(param, DTensor) else param
