@@ -119,6 +119,11 @@ class RolloutConfig(_Section):
         1.0, description="Sampling temperature (also used for trainer log-probs)."
     )
     top_p: float = Field(1.0, description="Nucleus sampling threshold.")
+    weight_transport: Literal["auto", "shared_memory", "distributed"] = Field(
+        "auto",
+        description="Weight-sync transport: shared memory on one node, a gloo group between "
+        "trainer and rollout ranks across nodes; auto picks from the placement.",
+    )
     weight_bucket_mb: float = Field(
         64.0,
         gt=0,

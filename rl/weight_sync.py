@@ -1,9 +1,10 @@
 """The driver's side of weight sync: plan the transfer once, then stream each update.
 
-Per bucket, every trainer rank writes its own FSDP2 rows into its shared-memory slot and
-every rollout worker (each of its TP ranks) reads the regions it loads; the next bucket is
-written into the other slot while the current one is read. A rollout worker lost mid-update
-is dropped from it, replaced by a fresh engine and sent the whole current version.
+Per bucket, every trainer rank sends its own FSDP2 rows and every rollout worker (each of its
+TP ranks) loads the regions it needs, over the transport of `rl.weight_transport` (shared
+memory on one node, where the next bucket is written while the current one is read; a gloo
+group across nodes). A rollout worker lost mid-update is dropped from it, replaced by a fresh
+engine and sent the whole current version.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rl.config import Config
 from rl.rollout_group import RolloutGroup
 from rl.train_group import TrainGroup
 from rl.weight_plan import WeightSyncPlan, plan_to_json, plan_weight_sync
-from rl.weight_transport import remove_slots
+from rl.weight_transport import choose_transport, remove_slots
 
 _MB = float(1 << 20)
 
@@ -37,28 +38,44 @@ class WeightSync:
             tp_size=cfg.rollout.tensor_parallel_size,
             bucket_bytes=int(cfg.rollout.weight_bucket_mb * (1 << 20)),
         )
-        self._check_one_host()
+        nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
+        nodes |= set(ray.get([w.node_id.remote() for w in rollout.workers]))
+        self.transport = choose_transport(cfg.rollout.weight_transport, len(nodes))
         self._plan_json = plan_to_json(self.plan)
         self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
-        # Rank 0 creates the shared buffers the other ranks then map.
-        first, *rest = self._trainers
-        self._slot_paths = ray.get(first.open_weight_sender.remote(self._plan_json, self._prefix))
-        ray.get([w.open_weight_sender.remote(self._plan_json, self._prefix) for w in rest])
-        ray.get([self._open(worker) for worker in rollout.workers])
+        self._connect()
         self.failed: list[int] = []  # rollout workers lost during the last `stream`
         self.metrics: dict[str, float] = {}  # of the last `stream`
 
-    def _check_one_host(self) -> None:
-        nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
-        nodes |= set(ray.get([w.node_id.remote() for w in self._rollout.workers]))
-        if len(nodes) > 1:
-            raise ValueError(
-                f"weight sync uses shared memory, but the trainer and rollout workers run on "
-                f"{len(nodes)} nodes; place them on one node (a PACK placement group)"
+    def _connect(self, indices: list[int] | None = None) -> None:
+        """Open the channel for everyone, or (indices) only for those rollout workers. A gloo
+        group is always re-formed by all its members at once."""
+        workers = self._rollout.workers
+        first_member = [len(self._trainers) + i * self.plan.tp_size for i in range(len(workers))]
+        if self.transport == "distributed":
+            addr, port = ray.get(self._trainers[0].get_master_addr_port.remote())
+            spec = {"kind": "distributed", "addr": addr, "port": port, "num_replicas": len(workers)}
+            # Joining blocks until every member has joined: start them all, then wait.
+            ray.get(
+                [w.open_weight_sender.remote(self._plan_json, spec) for w in self._trainers]
+                + [
+                    worker.open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                    for i, worker in enumerate(workers)
+                ]
             )
-
-    def _open(self, worker: ray.actor.ActorHandle) -> ray.ObjectRef:
-        return worker.open_weight_sync.remote(self._plan_json, self._slot_paths)
+            return
+        spec = {"kind": "shared_memory", "prefix": self._prefix}
+        if indices is None:
+            first, *rest = self._trainers  # rank 0 creates the buffers the others map
+            ray.get(first.open_weight_sender.remote(self._plan_json, spec))
+            ray.get([w.open_weight_sender.remote(self._plan_json, spec) for w in rest])
+            indices = list(range(len(workers)))
+        ray.get(
+            [
+                workers[i].open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                for i in indices
+            ]
+        )
 
     def stream(self, version: int, indices: list[int] | None = None) -> Iterator[int]:
         """Send `version` to rollout workers `indices` (default all); yields each bucket index
@@ -69,22 +86,26 @@ class WeightSync:
         self.failed = []
         start = time.perf_counter()
         num_buckets = len(self.plan.buckets)
+        pipelined = self.transport == "shared_memory"
         writes = [w.write_weight_bucket.remote(0) for w in self._trainers]
         write_stats: list[dict[str, float]] = []
         num_bytes = write_s = 0.0
         for bucket in range(num_buckets):
-            write_stats = ray.get(writes)
-            write_s += max(stat["seconds"] for stat in write_stats)
+            if pipelined:  # bucket is in its slot before anyone reads it
+                write_stats = ray.get(writes)
             applied = self._gather(
                 receivers,
                 {i: r.apply_weight_bucket.remote(bucket, version) for i, r in receivers.items()},
             )
+            if not pipelined:  # the sends complete as the receivers take them
+                write_stats = ray.get(writes)
+            write_s += max(stat["seconds"] for stat in write_stats)
             if bucket + 1 < num_buckets:
-                # The other slot held bucket - 1, which every receiver has applied.
+                # Shared memory: the other slot held bucket - 1, which everyone has applied.
                 writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
             num_bytes += max(applied, default=0)
             yield bucket
-        peaks = self._gather(
+        finished = self._gather(
             receivers, {i: r.finish_weight_update.remote(version) for i, r in receivers.items()}
         )
         self.metrics = {
@@ -95,7 +116,11 @@ class WeightSync:
             "weight_sync/mb_full_model": self.plan.total_bytes / _MB,
             "weight_sync/trainer_peak_extra_mb": max(s["peak_extra_bytes"] for s in write_stats)
             / _MB,
-            "weight_sync/rollout_peak_extra_mb": max(peaks, default=0) / _MB,
+            "weight_sync/rollout_peak_extra_mb": max(
+                (f["peak_extra_bytes"] for f in finished), default=0.0
+            )
+            / _MB,
+            "weight_sync/rollout_load_s": max((f["load_s"] for f in finished), default=0.0),
         }
 
     def _gather(self, receivers: dict, refs: dict[int, ray.ObjectRef]) -> list:
@@ -110,10 +135,15 @@ class WeightSync:
         return results
 
     def repair(self, version: int) -> None:
-        """Replace the workers lost in the last `stream` and send them `version` whole."""
+        """Replace the workers lost in the last `stream` and send them `version` whole.
+
+        Only the shared-memory transport survives a lost member: a gloo group breaks with it,
+        and the failed sends fail the sync before this point.
+        """
         lost = self.failed
         for index in lost:
-            ray.get(self._open(self._rollout.restart(index)))
+            self._rollout.restart(index)
+        self._connect(lost)
         for _ in self.stream(version, lost):
             pass
         if self.failed:

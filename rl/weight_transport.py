@@ -1,11 +1,19 @@
-"""The shared-memory weight transport: trainer ranks write their rows of a bucket into one
-shared buffer; rollout ranks hand vLLM views of it. Plain tensor code (no Ray, no vLLM).
-
-Two buffers ("slots"), files under /dev/shm that every process on the host maps: bucket i goes
-to slot i % 2, so the trainer fills bucket i + 1 while the rollout ranks still read bucket i.
-In a slot each tensor of the bucket lies whole: rank w's rows land at their place, so a reader
-sees full tensors without any gather, and vLLM's loaders copy out only their rank's region.
+"""Weight transports: how a bucket gets from the trainer ranks to the rollout TP ranks.
 Weights never travel as RPC arguments: only bucket indices do.
+
+Members of a sync channel are numbered trainer ranks first (0..W-1), then rollout replica r's
+TP rank t as W + r * T + t. Both transports offer `write(bucket, local_rows)` (a trainer
+rank's FSDP2 rows) and `read(bucket)` (full-shaped tensors, of which vLLM's loaders copy out
+only this rank's region).
+
+shared_memory (one host): two buffers ("slots"), files under /dev/shm that every process maps.
+Bucket i goes to slot i % 2, so the trainer fills bucket i + 1 while the rollout ranks still
+read bucket i (`pipelined`). Each tensor lies whole in a slot: rank w's rows land at their
+place, so readers see full tensors without any gather or copy.
+
+distributed (across hosts): a gloo group over all members; each trainer rank sends each
+rollout rank exactly the bytes of its regions it owns (`rl.weight_pieces`). Not pipelined:
+the sends of a bucket complete as the receivers take it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rl.sync_group import SyncGroup
+from rl.weight_pieces import pack_piece, piece_numel, unpack_pieces
 from rl.weight_plan import WeightSyncPlan, owned_rows
 
 NUM_SLOTS = 2
@@ -77,3 +87,76 @@ def bucket_tensors(
         (spec.name, slot[offset : offset + spec.num_rows * spec.num_cols].view(spec.shape))
         for spec, offset in zip(plan.buckets[bucket], plan.offsets(bucket), strict=True)
     ]
+
+
+class SharedMemoryChannel:
+    pipelined = True
+
+    def __init__(self, plan: WeightSyncPlan, prefix: str, member: int) -> None:
+        self._plan = plan
+        # Member 0 (trainer rank 0) creates the files; it is opened before everyone else.
+        if member == 0:
+            self._slots = create_slots(prefix, plan.slot_numel)
+        else:
+            self._slots = open_slots(slot_paths(prefix), plan.slot_numel)
+        self._member = member
+
+    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
+        slot = self._slots[bucket % NUM_SLOTS]
+        write_rows(slot, self._plan, bucket, self._member, local_rows)
+
+    def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
+        return bucket_tensors(self._slots[bucket % NUM_SLOTS], self._plan, bucket)
+
+
+class DistributedChannel:
+    pipelined = False
+
+    def __init__(
+        self, plan: WeightSyncPlan, addr: str, port: int, member: int, num_replicas: int
+    ) -> None:
+        self._plan, self._member = plan, member
+        self._num_replicas = num_replicas
+        world_size = plan.world_size + num_replicas * plan.tp_size
+        self._group = SyncGroup(addr, port, member, world_size)
+
+    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
+        plan, rank = self._plan, self._member
+        pieces = [pack_piece(plan, bucket, rank, t, local_rows) for t in range(plan.tp_size)]
+        self._group.send(
+            [
+                (plan.world_size + replica * plan.tp_size + t, pieces[t])
+                for replica in range(self._num_replicas)
+                for t in range(plan.tp_size)
+            ],
+            tag=bucket,
+        )
+
+    def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
+        plan = self._plan
+        tp_rank = (self._member - plan.world_size) % plan.tp_size
+        sizes = [(w, piece_numel(plan, bucket, w, tp_rank)) for w in range(plan.world_size)]
+        return unpack_pieces(plan, bucket, tp_rank, self._group.recv(sizes, tag=bucket))
+
+
+Channel = SharedMemoryChannel | DistributedChannel
+
+
+def open_channel(plan: WeightSyncPlan, spec: dict, member: int) -> Channel:
+    """Join the channel `spec` describes (see `channel_spec`) as `member`."""
+    if spec["kind"] == "shared_memory":
+        return SharedMemoryChannel(plan, spec["prefix"], member)
+    return DistributedChannel(plan, spec["addr"], spec["port"], member, spec["num_replicas"])
+
+
+def choose_transport(setting: str, num_nodes: int) -> str:
+    """The transport for `rollout.weight_transport=setting` when the trainer and rollout
+    workers span `num_nodes` nodes: shared memory on one node, a gloo group across nodes."""
+    if setting == "auto":
+        return "shared_memory" if num_nodes == 1 else "distributed"
+    if setting == "shared_memory" and num_nodes > 1:
+        raise ValueError(
+            f"rollout.weight_transport=shared_memory, but the trainer and rollout workers run "
+            f"on {num_nodes} nodes: use 'distributed' (or 'auto'), or place them on one node"
+        )
+    return setting

@@ -192,9 +192,10 @@ class VLLMEngine:
             for seq, start, output in zip(sequences, num_prompt_tokens, outputs, strict=True)
         ]
 
-    def open_weight_sync(self, plan_json: str, slot_paths: list[str]) -> None:
-        """Attach to the sync channel's shared buffers for the transfer plan `plan_json`."""
-        self._llm.collective_rpc("tandem_open_sync", args=(plan_json, slot_paths))
+    def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
+        """Join the weight-sync channel `channel_spec` (`rl.weight_transport.open_channel`) for
+        the transfer plan `plan_json`; TP rank t is channel member first_member + t."""
+        self._llm.collective_rpc("tandem_open_sync", args=(plan_json, channel_spec, first_member))
 
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
         """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
@@ -202,22 +203,24 @@ class VLLMEngine:
         self._updating_to = version
         return max(self._llm.collective_rpc("tandem_apply_bucket", args=(bucket,)))
 
-    def finish_weight_update(self, version: int) -> int:
+    def finish_weight_update(self, version: int) -> dict[str, float]:
         """Close an update: load what was held back, drop stale prefix KV, serve `version`.
 
-        Returns the update's peak extra resident bytes on the busiest TP rank.
+        Returns, over TP ranks, the most `peak_extra_bytes` of resident memory the update took
+        and the most `load_s` spent in vLLM's loading and processing.
         """
         if self._updating_to != version:
             raise RuntimeError(
                 f"finish_weight_update({version}) without its buckets (updating to "
                 f"{self._updating_to})"
             )
-        peak = max(self._llm.collective_rpc("tandem_finish_sync"))
+        ranks = self._llm.collective_rpc("tandem_finish_sync")
+        stats = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
         # KV blocks cached under the old weights would be reused for matching prefixes.
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache: requests still running")
         self.version, self._updating_to = version, None
-        return peak
+        return stats
 
     def _check_serving(self) -> None:
         if self._updating_to is not None:

@@ -42,13 +42,13 @@ class RolloutWorker:
         """Temperature-1 log-probs of each sequence's tokens after its prompt."""
         return self._engine.score(sequences, num_prompt_tokens)
 
-    def open_weight_sync(self, plan_json: str, slot_paths: list[str]) -> None:
-        self._engine.open_weight_sync(plan_json, slot_paths)
+    def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
+        self._engine.open_weight_sync(plan_json, channel_spec, first_member)
 
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
         return self._engine.apply_weight_bucket(bucket, version)
 
-    def finish_weight_update(self, version: int) -> int:
+    def finish_weight_update(self, version: int) -> dict[str, float]:
         return self._engine.finish_weight_update(version)
 
     def version(self) -> int:

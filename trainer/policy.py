@@ -188,13 +188,12 @@ class PolicyTrainer:
         model = self.policy.model
         return trained_tensors(model), attention_shape(model.config)
 
-    def open_weight_sender(self, plan: WeightSyncPlan, prefix: str) -> list[str]:
-        """Create this rank's shared-memory slots for `plan`; returns their paths."""
-        self.sender = WeightSender(self.policy.model, plan, self.rank, prefix)
-        return self.sender.paths
+    def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: dict) -> None:
+        """Join the weight-sync channel `channel_spec` for `plan`."""
+        self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)
 
     def write_weight_bucket(self, bucket: int) -> dict[str, float]:
-        """This rank's rows of `bucket` into its slot (see `WeightSender.write`). Not collective."""
+        """Send this rank's rows of `bucket` (see `WeightSender.write`); not collective."""
         if bucket == 0:
             self.policy.reshard()  # after a forward the FSDP root holds full parameters
         return self.sender.write(bucket)

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
-from rl.weight_transport import NUM_SLOTS, create_slots, open_slots, slot_paths, write_rows
+from rl.weight_transport import open_channel
 
 
 def trained_tensors(model: nn.Module) -> list[TensorSpec]:
@@ -37,22 +37,20 @@ def attention_shape(config: PretrainedConfig) -> AttentionShape:
 
 
 class WeightSender:
-    """Writes trainer `rank`'s rows of each bucket of `plan` into the channel's shared buffers
-    (rank 0 creates them: it must be constructed first)."""
+    """Sends trainer `rank`'s rows of each bucket of `plan` over the channel `channel_spec`
+    (`rl.weight_transport.open_channel`)."""
 
-    def __init__(self, model: nn.Module, plan: WeightSyncPlan, rank: int, prefix: str) -> None:
-        self._model, self._plan, self._rank = model, plan, rank
-        self.paths = slot_paths(prefix)
-        if rank == 0:
-            self._slots = create_slots(prefix, plan.slot_numel)
-        else:
-            self._slots = open_slots(self.paths, plan.slot_numel)
+    def __init__(
+        self, model: nn.Module, plan: WeightSyncPlan, rank: int, channel_spec: dict
+    ) -> None:
+        self._model, self._plan = model, plan
+        self._channel = open_channel(plan, channel_spec, member=rank)
         self._base_rss = 0
 
     @torch.no_grad()
     def write(self, bucket: int) -> dict[str, float]:
-        """Fill slot bucket % 2 with this rank's rows of `bucket`. The model must be resharded
-        (FSDP2 swaps in full parameters while unsharded).
+        """Send this rank's rows of `bucket`. The model must be resharded (FSDP2 swaps in full
+        parameters while unsharded).
 
         Returns the seconds it took and the peak extra resident bytes since bucket 0.
         """
@@ -62,7 +60,7 @@ class WeightSender:
             reset_peak_rss()
         params = dict(self._model.named_parameters())
         local = {spec.name: _local_rows(params[spec.name]) for spec in self._plan.buckets[bucket]}
-        write_rows(self._slots[bucket % NUM_SLOTS], self._plan, bucket, self._rank, local)
+        self._channel.write(bucket, local)
         return {
             "seconds": time.perf_counter() - start,
             "peak_extra_bytes": float(max(peak_rss_bytes() - self._base_rss, 0)),

@@ -51,8 +51,8 @@ class TrainWorker:
     def weight_sync_spec(self) -> tuple[list[TensorSpec], AttentionShape]:
         return self.trainer.weight_sync_spec()
 
-    def open_weight_sender(self, plan_json: str, prefix: str) -> list[str]:
-        return self.trainer.open_weight_sender(plan_from_json(plan_json), prefix)
+    def open_weight_sender(self, plan_json: str, channel_spec: dict) -> None:
+        self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
 
     def write_weight_bucket(self, bucket: int) -> dict[str, float]:
         return self.trainer.write_weight_bucket(bucket)

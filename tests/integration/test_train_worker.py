@@ -114,11 +114,12 @@ def _sync_between_ranks(
     Returns (what rank 0 read, the full parameters) on rank 0, empty dicts on rank 1."""
     specs, shape = trainer.weight_sync_spec()
     plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14)
+    spec = {"kind": "shared_memory", "prefix": prefix}
     if rank == 0:  # rank 0 creates the buffers
-        trainer.open_weight_sender(plan, prefix)
+        trainer.open_weight_sender(plan, spec)
     dist.barrier()
     if rank == 1:
-        trainer.open_weight_sender(plan, prefix)
+        trainer.open_weight_sender(plan, spec)
     full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
     slots = open_slots(slot_paths(prefix), plan.slot_numel)
     synced = {}
@@ -229,9 +230,10 @@ def _sync(group: list, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], Weig
     specs, shape = ray.get(group[0].weight_sync_spec.remote())
     plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=bucket_bytes)
     prefix = f"tandem-test-{uuid.uuid4().hex[:8]}"
-    paths = ray.get(group[0].open_weight_sender.remote(plan_to_json(plan), prefix))
-    ray.get(group[1].open_weight_sender.remote(plan_to_json(plan), prefix))
-    slots = open_slots(paths, plan.slot_numel)
+    spec = {"kind": "shared_memory", "prefix": prefix}
+    ray.get(group[0].open_weight_sender.remote(plan_to_json(plan), spec))
+    ray.get(group[1].open_weight_sender.remote(plan_to_json(plan), spec))
+    slots = open_slots(slot_paths(prefix), plan.slot_numel)
     received: dict[str, torch.Tensor] = {}
     try:
         for bucket in range(len(plan.buckets)):

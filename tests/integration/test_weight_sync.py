@@ -32,12 +32,23 @@ MEDIUM = {  # 16M parameters, so buckets of MiBs dwarf the allocator's noise
     "num_key_value_heads": 4,
     "vocab_size": 4096,
 }
-# name: (arch, tied, TP, replicas, bucket MiB, frozen patterns, model sizes)
+# name: (arch, tied, TP, replicas, bucket MiB, frozen patterns, model sizes, transport)
 SETUPS = {
-    "qwen2-tied-tp2": ("qwen2", True, 2, 2, 0.02, [], {}),
-    "llama-untied-tp2": ("llama", False, 2, 1, 0.02, [], {}),
-    "qwen2-medium-untied-tp1": ("qwen2", False, 1, 2, 2.0, ["model.embed_tokens.*"], MEDIUM),
-    "llama-tied-tp1": ("llama", True, 1, 1, 0.02, [], {}),
+    "qwen2-tied-tp2": ("qwen2", True, 2, 2, 0.02, [], {}, "auto"),
+    "llama-untied-tp2": ("llama", False, 2, 1, 0.02, [], {}, "auto"),
+    "qwen2-medium-untied-tp1": (
+        "qwen2",
+        False,
+        1,
+        2,
+        2.0,
+        ["model.embed_tokens.*"],
+        MEDIUM,
+        "auto",
+    ),
+    "llama-tied-tp1": ("llama", True, 1, 1, 0.02, [], {}, "auto"),
+    # The cross-host transport, on one host: each rank receives only its regions' bytes.
+    "llama-untied-tp2-gloo": ("llama", False, 2, 2, 0.02, [], {}, "distributed"),
 }
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -69,7 +80,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module", params=list(SETUPS))
 def setup(request: pytest.FixtureRequest, ray_cluster: None):
-    arch, tied, tp, replicas, bucket_mb, frozen, sizes = SETUPS[request.param]
+    arch, tied, tp, replicas, bucket_mb, frozen, sizes, transport = SETUPS[request.param]
     model_dir = build_checkpoint(Path(tempfile.mkdtemp()) / request.param, arch, tied, **sizes)
     cfg = Config.model_validate(
         {
@@ -80,6 +91,7 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
                 "kv_cache_gb": 0.0625,
                 "max_model_len": 64,
                 "weight_bucket_mb": bucket_mb,
+                "weight_transport": transport,
             },
             "trainer": {"num_workers": 2, "lr": 1e-2},
         }
@@ -135,6 +147,7 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     version = 1 + max(setup.rollout.versions())
     metrics = setup.sync.push(version)
     assert max(_gaps(setup)) < 1e-4
+    assert setup.sync.transport == SETUPS[setup.name][-1].replace("auto", "shared_memory")
     assert setup.rollout.versions() == [version] * len(setup.rollout.workers)
 
     plan = setup.sync.plan
@@ -168,9 +181,11 @@ def test_peak_memory_of_a_sync_stays_within_two_buckets(setup: Setup) -> None:
     ) / (1 << 20)
     margin_mb = 4.0
     assert metrics["weight_sync/mb_full_model"] > 4 * largest_bucket  # buckets << model
-    for side in ("trainer", "rollout"):
-        peak = metrics[f"weight_sync/{side}_peak_extra_mb"]
-        assert 0 < peak <= 2 * largest_bucket + margin_mb, (side, peak, largest_bucket)
+    # The trainer writes views of its shards into buffers it mapped at the first sync.
+    assert metrics["weight_sync/trainer_peak_extra_mb"] <= 2 * largest_bucket + margin_mb
+    # vLLM re-materialises and re-processes each layer it loads: the measurement sees it.
+    peak = metrics["weight_sync/rollout_peak_extra_mb"]
+    assert largest_bucket <= peak <= 2 * largest_bucket + margin_mb, (peak, largest_bucket)
 
 
 @pytest.mark.parametrize("setup", ["qwen2-tied-tp2"], indirect=True)

@@ -13,7 +13,9 @@ from rl.weight_transport import (
     NUM_SLOTS,
     SHM_DIR,
     bucket_tensors,
+    choose_transport,
     create_slots,
+    open_channel,
     open_slots,
     remove_slots,
     slot_paths,
@@ -76,3 +78,37 @@ def test_remove_slots_deletes_the_channel_files(prefix: str) -> None:
     assert len(list(SHM_DIR.glob(f"{prefix}-*"))) == NUM_SLOTS
     remove_slots(prefix)
     assert not any(Path(p).exists() for p in slot_paths(prefix))
+
+
+@pytest.mark.parametrize(
+    ("setting", "num_nodes", "expected"),
+    [
+        ("auto", 1, "shared_memory"),
+        ("auto", 2, "distributed"),
+        ("distributed", 1, "distributed"),
+        ("shared_memory", 1, "shared_memory"),
+    ],
+)
+def test_transport_follows_the_placement_unless_overridden(
+    setting: str, num_nodes: int, expected: str
+) -> None:
+    assert choose_transport(setting, num_nodes) == expected
+
+
+def test_shared_memory_across_nodes_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="weight_transport=shared_memory.*2 nodes"):
+        choose_transport("shared_memory", 2)
+
+
+def test_channels_hand_readers_the_tensors_writers_wrote(prefix: str) -> None:
+    plan = plan_weight_sync(SPECS, SHAPE, 2, 1, bucket_bytes=100_000)
+    spec = {"kind": "shared_memory", "prefix": prefix}
+    writers = [open_channel(plan, spec, member=rank) for rank in range(2)]  # rank 0 creates
+    reader = open_channel(plan, spec, member=2)
+    full = {s.name: torch.full(s.shape, float(i)) for i, s in enumerate(SPECS)}
+    for bucket in range(len(plan.buckets)):
+        for rank, writer in enumerate(writers):
+            rows = {s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, 2))] for s in SPECS}
+            writer.write(bucket, rows)
+        for name, tensor in reader.read(bucket):
+            assert torch.equal(tensor, full[name])

@@ -1,0 +1,158 @@
+"""Weight sync of a Qwen2.5-0.5B-shaped model (random weights, fp32) on CPU: a 2-rank FSDP2
+trainer group into one vLLM engine with TP = 1 and TP = 2, against the memcpy lower bound.
+
+    .venv/bin/python bench/weight_sync.py [--syncs 3] [--bucket-mb 64]
+
+For each TP size two child processes each start Ray, the trainer group and the engine:
+  time    the end-to-end seconds of a sync (trainer writes, vLLM's reload, prefix-cache reset,
+          version bump), median over --syncs after a warm-up sync;
+  memory  the same with glibc returning every freed block of 1 MiB or more at once
+          (MALLOC_MMAP_THRESHOLD_), so that peak resident memory tracks live allocations,
+          not the allocator's cache: the peak extra resident bytes of each process in a sync.
+The memcpy bound is one torch copy of the bytes the rollout ranks load (all ranks together),
+timed in this process in the same run. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / ".cache" / "bench" / "qwen2.5-0.5b-random"
+# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 kv heads, MLP 4864, tied embeddings.
+QWEN25_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151_936,
+}
+
+
+def build_model() -> Path:
+    """The random 0.5B-shaped checkpoint (built once; the tiny tokenizer is enough to run)."""
+    if (MODEL_DIR / "config.json").exists():
+        return MODEL_DIR
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import build_checkpoint
+
+    return build_checkpoint(MODEL_DIR, "qwen2", True, **QWEN25_05B)
+
+
+def _child(tp_size: int, num_syncs: int, bucket_mb: float) -> dict:
+    import ray
+
+    from rl.config import Config
+    from rl.rollout_group import RolloutGroup
+    from rl.scheduler import colocate
+    from rl.train_group import TrainGroup
+    from rl.weight_sync import WeightSync
+
+    cfg = Config.model_validate(
+        {
+            "model": {"path": str(MODEL_DIR)},
+            "rollout": {
+                "num_workers": 1,
+                "tensor_parallel_size": tp_size,
+                "kv_cache_gb": 0.25,
+                "max_model_len": 128,
+                "weight_bucket_mb": bucket_mb,
+            },
+            "trainer": {"num_workers": 2},
+        }
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = colocate(cfg)
+    sharing = placement.plan.num_roles_sharing
+    rollout = RolloutGroup(cfg, placement, sharing)
+    trainers = TrainGroup(cfg, placement, sharing)
+    sync = WeightSync(cfg, trainers, rollout)
+    runs = [sync.push(version) for version in range(1, num_syncs + 2)]  # 1: warm-up
+    sync.close()
+    ray.shutdown()
+    plan = sync.plan
+    return {
+        "seconds": [run["weight_sync/seconds"] for run in runs[1:]],
+        "write_s": [run["weight_sync/trainer_write_s"] for run in runs[1:]],
+        "load_s": [run["weight_sync/rollout_load_s"] for run in runs[1:]],
+        "trainer_peak_mb": max(run["weight_sync/trainer_peak_extra_mb"] for run in runs[1:]),
+        "rollout_peak_mb": max(run["weight_sync/rollout_peak_extra_mb"] for run in runs[1:]),
+        "first_rollout_peak_mb": runs[0]["weight_sync/rollout_peak_extra_mb"],
+        "bytes_per_rank": plan.bytes_to_rank(0),
+        "bytes_loaded": sum(plan.bytes_to_rank(t) for t in range(tp_size)),
+        "bytes_full": plan.total_bytes,
+        "num_buckets": len(plan.buckets),
+        "largest_bucket_mb": plan.slot_numel * 4 / (1 << 20),
+    }
+
+
+def _run_child(tp_size: int, mode: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    if mode == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    command = [sys.executable, __file__, "--child", str(tp_size), "--syncs", str(args.syncs)]
+    command += ["--bucket-mb", str(args.bucket_mb)]
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"TP={tp_size} {mode} run failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memcpy_seconds(num_bytes: int, repeats: int = 3) -> float:
+    """Fastest of `repeats` torch copies of `num_bytes` between two warmed-up buffers."""
+    import torch
+
+    src = torch.ones(num_bytes // 4)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--child", type=int)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.syncs, args.bucket_mb)))
+        return
+    build_model()
+    print(
+        "| TP | bytes per rollout rank (sliced / full) | buckets | sync s (median) | "
+        "trainer write s | vLLM load + process s | memcpy bound s | ratio | "
+        "peak extra MiB trainer / rollout (largest bucket) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tp_size in (1, 2):
+        timed = _run_child(tp_size, "time", args)
+        memory = _run_child(tp_size, "memory", args)
+        seconds = statistics.median(timed["seconds"])
+        bound = memcpy_seconds(timed["bytes_loaded"])
+        mib = 1 << 20
+        print(
+            f"| {tp_size} | {timed['bytes_per_rank'] / mib:.0f} / {timed['bytes_full'] / mib:.0f} "
+            f"MiB | {timed['num_buckets']} | {seconds:.2f} | "
+            f"{statistics.median(timed['write_s']):.2f} | "
+            f"{statistics.median(timed['load_s']):.2f} | {bound:.2f} | {seconds / bound:.1f}x | "
+            f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
+            f"({timed['largest_bucket_mb']:.0f}) |",
+            flush=True,
+        )
+        print(f"<!-- TP={tp_size} raw: {json.dumps({'time': timed, 'memory': memory})} -->")
+
+
+if __name__ == "__main__":
+    main()
