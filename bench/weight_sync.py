@@ -1,14 +1,17 @@
 """Weight sync of a Qwen2.5-0.5B-shaped model (random weights, fp32) on CPU: a 2-rank FSDP2
 trainer group into one vLLM engine with TP = 1 and TP = 2, against the memcpy lower bound.
 
-    .venv/bin/python bench/weight_sync.py [--syncs 3] [--bucket-mb 64]
+    .venv/bin/python bench/weight_sync.py [--syncs 3] [--bucket-mb 64] [--demo-steps 20]
 
-For each TP size two child processes each start Ray, the trainer group and the engine:
-  time    the end-to-end seconds of a sync (trainer writes, vLLM's reload, prefix-cache reset,
-          version bump), median over --syncs after a warm-up sync;
-  memory  the same with glibc returning every freed block of 1 MiB or more at once
-          (MALLOC_MMAP_THRESHOLD_), so that peak resident memory tracks live allocations,
-          not the allocator's cache: the peak extra resident bytes of each process in a sync.
+Each measurement runs in a child process that starts Ray, the trainer group and the engine:
+  time    per TP size and transport (shared_memory, distributed): the end-to-end seconds of a
+          sync (trainer writes, vLLM's reload, prefix-cache reset, version bump), median over
+          --syncs after a warm-up sync;
+  memory  per TP size, shared memory, with glibc returning every freed block of 1 MiB or more
+          at once (MALLOC_MMAP_THRESHOLD_), so that peak resident memory tracks live
+          allocations, not the allocator's cache: each process's peak extra bytes in a sync;
+  floor   vLLM's own reload of the whole model from memory in one call (no transport);
+  demo    the CPU demo recipe for --demo-steps steps: sync time as a fraction of a step.
 The memcpy bound is one torch copy of the bytes the rollout ranks load (all ranks together),
 timed in this process in the same run. Prints a markdown table.
 """
@@ -47,7 +50,7 @@ def build_model() -> Path:
     return build_checkpoint(MODEL_DIR, "qwen2", True, **QWEN25_05B)
 
 
-def _child(tp_size: int, num_syncs: int, bucket_mb: float) -> dict:
+def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> dict:
     import ray
 
     from rl.config import Config
@@ -65,6 +68,7 @@ def _child(tp_size: int, num_syncs: int, bucket_mb: float) -> dict:
                 "kv_cache_gb": 0.25,
                 "max_model_len": 128,
                 "weight_bucket_mb": bucket_mb,
+                "weight_transport": transport,
             },
             "trainer": {"num_workers": 2},
         }
@@ -94,16 +98,63 @@ def _child(tp_size: int, num_syncs: int, bucket_mb: float) -> dict:
     }
 
 
-def _run_child(tp_size: int, mode: str, args: argparse.Namespace) -> dict:
+def _run_child(args: argparse.Namespace, *child: str, memory: bool = False) -> dict:
     env = dict(os.environ)
-    if mode == "memory":
+    if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    command = [sys.executable, __file__, "--child", str(tp_size), "--syncs", str(args.syncs)]
-    command += ["--bucket-mb", str(args.bucket_mb)]
+    command = [sys.executable, __file__, "--syncs", str(args.syncs)]
+    command += ["--bucket-mb", str(args.bucket_mb), *child]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"TP={tp_size} {mode} run failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"{child} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _reload_floor(num_repeats: int = 3) -> dict:
+    """vLLM's own in-place reload of the whole model from tensors already in memory, in one
+    call, with the thread count a rollout actor gets here: what any transport pays on top."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from safetensors.torch import load_file
+
+    from rl.config import RolloutConfig
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(
+        str(MODEL_DIR), RolloutConfig(kv_cache_gb=0.25, max_model_len=128), "float32", 0
+    )
+    state = load_file(MODEL_DIR / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied, as a sync sends it
+    named = list(state.items())
+    seconds = []
+    for _ in range(num_repeats):
+        start = time.perf_counter()
+        engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        seconds.append(time.perf_counter() - start)
+    return {"seconds": seconds}
+
+
+def _demo_sync_fraction(num_steps: int) -> dict:
+    """Median weight-sync seconds over median step seconds of the CPU demo recipe."""
+    run_name = "bench-weight-sync"
+    command = [
+        str(REPO / ".venv" / "bin" / "rl"),
+        "train",
+        "recipes/grpo_addition_cpu.yaml",
+        f"run.num_steps={num_steps}",
+        "run.eval_every=0",
+        "run.export_hf=false",
+        f"run.name={run_name}",
+        f"run.output_dir={REPO / 'runs'}",
+    ]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    metrics_file = REPO / "runs" / run_name / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    steps = [m for m in steps if "time/sync_s" in m]
+    return {
+        "sync_s": statistics.median(m["time/sync_s"] for m in steps),
+        "step_s": statistics.median(m["time/step_s"] for m in steps),
+        "num_steps": len(steps),
+    }
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 3) -> float:
@@ -124,34 +175,54 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--demo-steps", type=int, default=20)
     parser.add_argument("--child", type=int)
+    parser.add_argument("--transport", default="shared_memory")
+    parser.add_argument("--floor", action="store_true")
     args = parser.parse_args()
+    if args.floor:
+        print(json.dumps(_reload_floor()))
+        return
     if args.child:
-        print(json.dumps(_child(args.child, args.syncs, args.bucket_mb)))
+        print(json.dumps(_child(args.child, args.transport, args.syncs, args.bucket_mb)))
         return
     build_model()
+    floor = statistics.median(_run_child(args, "--floor")["seconds"])
     print(
-        "| TP | bytes per rollout rank (sliced / full) | buckets | sync s (median) | "
-        "trainer write s | vLLM load + process s | memcpy bound s | ratio | "
-        "peak extra MiB trainer / rollout (largest bucket) |"
+        "| TP | transport | MiB per rollout rank (sliced / full) | sync s (median) | trainer "
+        "write s | vLLM load + process s | memcpy bound s | ratio to bound | peak extra MiB "
+        "trainer / rollout (largest bucket) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    mib = 1 << 20
     for tp_size in (1, 2):
-        timed = _run_child(tp_size, "time", args)
-        memory = _run_child(tp_size, "memory", args)
-        seconds = statistics.median(timed["seconds"])
-        bound = memcpy_seconds(timed["bytes_loaded"])
-        mib = 1 << 20
-        print(
-            f"| {tp_size} | {timed['bytes_per_rank'] / mib:.0f} / {timed['bytes_full'] / mib:.0f} "
-            f"MiB | {timed['num_buckets']} | {seconds:.2f} | "
-            f"{statistics.median(timed['write_s']):.2f} | "
-            f"{statistics.median(timed['load_s']):.2f} | {bound:.2f} | {seconds / bound:.1f}x | "
-            f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
-            f"({timed['largest_bucket_mb']:.0f}) |",
-            flush=True,
-        )
-        print(f"<!-- TP={tp_size} raw: {json.dumps({'time': timed, 'memory': memory})} -->")
+        memory = _run_child(args, "--child", str(tp_size), memory=True)
+        for transport in ("shared_memory", "distributed"):
+            timed = _run_child(args, "--child", str(tp_size), "--transport", transport)
+            seconds = statistics.median(timed["seconds"])
+            bound = memcpy_seconds(timed["bytes_loaded"])
+            peaks = "-"
+            if transport == "shared_memory":
+                peaks = (
+                    f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
+                    f"({timed['largest_bucket_mb']:.0f})"
+                )
+            print(
+                f"| {tp_size} | {transport} | {timed['bytes_per_rank'] / mib:.0f} / "
+                f"{timed['bytes_full'] / mib:.0f} | {seconds:.2f} | "
+                f"{statistics.median(timed['write_s']):.2f} | "
+                f"{statistics.median(timed['load_s']):.2f} | {bound:.2f} | "
+                f"{seconds / bound:.1f}x | {peaks} |",
+                flush=True,
+            )
+            print(f"<!-- TP={tp_size} {transport}: {json.dumps(timed)} -->")
+        print(f"<!-- TP={tp_size} memory run: {json.dumps(memory)} -->")
+    print(f"\nvLLM's own reload of the whole model from memory (TP=1, one call): {floor:.2f} s")
+    demo = _demo_sync_fraction(args.demo_steps)
+    print(
+        f"demo recipe ({demo['num_steps']} steps): sync {demo['sync_s']:.3f} s of a "
+        f"{demo['step_s']:.2f} s step ({demo['sync_s'] / demo['step_s']:.1%})"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from rl.config import BaseBuildConfig
+from rl.weight_plan import AttentionShape, TensorSpec
 from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
 
 
@@ -72,3 +73,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny checkpoint with tie_word_embeddings=True."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-tied", True)
+
+
+# A small Qwen2-style layer's tensors (HF names) for weight-sync tests, with its attention.
+SYNC_SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1000)
+SYNC_SPECS = [
+    TensorSpec("model.embed_tokens.weight", (1000, 128)),
+    TensorSpec("model.layers.0.self_attn.q_proj.weight", (128, 128)),
+    TensorSpec("model.layers.0.self_attn.q_proj.bias", (128,)),
+    TensorSpec("model.layers.0.self_attn.k_proj.weight", (64, 128)),
+    TensorSpec("model.layers.0.self_attn.v_proj.weight", (64, 128)),
+    TensorSpec("model.layers.0.self_attn.o_proj.weight", (128, 128)),
+    TensorSpec("model.layers.0.mlp.down_proj.weight", (128, 256)),
+    TensorSpec("model.norm.weight", (128,)),
+]

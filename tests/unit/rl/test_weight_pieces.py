@@ -8,27 +8,16 @@ import torch
 from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rl.weight_pieces import pack_piece, piece_numel, region_buffer, unpack_pieces
 from rl.weight_plan import AttentionShape, Region, TensorSpec, owned_rows, plan_weight_sync
-
-SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1000)
-SPECS = [
-    TensorSpec("model.embed_tokens.weight", (1000, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.bias", (128,)),
-    TensorSpec("model.layers.0.self_attn.k_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.v_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.o_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.mlp.down_proj.weight", (128, 256)),
-    TensorSpec("model.norm.weight", (128,)),
-]
+from tests.conftest import SYNC_SHAPE, SYNC_SPECS
 
 
 @pytest.mark.parametrize(("world_size", "tp_size"), [(1, 1), (2, 1), (3, 2), (2, 4)])
 def test_unpacked_regions_equal_the_full_tensors(world_size: int, tp_size: int) -> None:
-    shape = AttentionShape(8, 4, 16, 1000) if tp_size == 4 else SHAPE
-    plan = plan_weight_sync(SPECS, shape, world_size, tp_size, bucket_bytes=100_000)
+    shape = AttentionShape(8, 4, 16, 1000) if tp_size == 4 else SYNC_SHAPE
+    plan = plan_weight_sync(SYNC_SPECS, shape, world_size, tp_size, bucket_bytes=100_000)
     full = {
         s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i))
-        for i, s in enumerate(SPECS)
+        for i, s in enumerate(SYNC_SPECS)
     }
     for bucket in range(len(plan.buckets)):
         for tp_rank in range(tp_size):
@@ -44,7 +33,7 @@ def test_unpacked_regions_equal_the_full_tensors(world_size: int, tp_size: int) 
             sent = sum(p.numel() for p in pieces)
             assert sent == sum(plan.region(s, tp_rank).numel for s in plan.buckets[bucket])
             for name, tensor in unpack_pieces(plan, bucket, tp_rank, pieces):
-                spec = next(s for s in SPECS if s.name == name)
+                spec = next(s for s in SYNC_SPECS if s.name == name)
                 r = plan.region(spec, tp_rank)
                 got = tensor.reshape(spec.num_rows, -1) if tensor.is_contiguous() else tensor
                 want = full[name].reshape(spec.num_rows, -1)

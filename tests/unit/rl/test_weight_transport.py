@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.weight_plan import AttentionShape, TensorSpec, owned_rows, plan_weight_sync
+from rl.weight_plan import owned_rows, plan_weight_sync
 from rl.weight_transport import (
     NUM_SLOTS,
     SHM_DIR,
@@ -21,18 +21,7 @@ from rl.weight_transport import (
     slot_paths,
     write_rows,
 )
-
-SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1000)
-SPECS = [
-    TensorSpec("model.embed_tokens.weight", (1000, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.bias", (128,)),
-    TensorSpec("model.layers.0.self_attn.k_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.v_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.o_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.mlp.down_proj.weight", (128, 256)),
-    TensorSpec("model.norm.weight", (128,)),
-]
+from tests.conftest import SYNC_SHAPE, SYNC_SPECS
 
 
 @pytest.fixture
@@ -46,11 +35,11 @@ def prefix():
 def test_ranks_writing_their_rows_leave_whole_tensors_in_the_slot(
     prefix: str, world_size: int
 ) -> None:
-    plan = plan_weight_sync(SPECS, SHAPE, world_size, 2, bucket_bytes=100_000)
+    plan = plan_weight_sync(SYNC_SPECS, SYNC_SHAPE, world_size, 2, bucket_bytes=100_000)
     assert len(plan.buckets) > NUM_SLOTS  # slots are reused
     full = {
         s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i))
-        for i, s in enumerate(SPECS)
+        for i, s in enumerate(SYNC_SPECS)
     }
     writers = [create_slots(prefix, plan.slot_numel)]
     writers += [open_slots(slot_paths(prefix), plan.slot_numel) for _ in range(1, world_size)]
@@ -101,14 +90,16 @@ def test_shared_memory_across_nodes_is_a_clear_error() -> None:
 
 
 def test_channels_hand_readers_the_tensors_writers_wrote(prefix: str) -> None:
-    plan = plan_weight_sync(SPECS, SHAPE, 2, 1, bucket_bytes=100_000)
+    plan = plan_weight_sync(SYNC_SPECS, SYNC_SHAPE, 2, 1, bucket_bytes=100_000)
     spec = {"kind": "shared_memory", "prefix": prefix}
     writers = [open_channel(plan, spec, member=rank) for rank in range(2)]  # rank 0 creates
     reader = open_channel(plan, spec, member=2)
-    full = {s.name: torch.full(s.shape, float(i)) for i, s in enumerate(SPECS)}
+    full = {s.name: torch.full(s.shape, float(i)) for i, s in enumerate(SYNC_SPECS)}
     for bucket in range(len(plan.buckets)):
         for rank, writer in enumerate(writers):
-            rows = {s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, 2))] for s in SPECS}
+            rows = {
+                s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, 2))] for s in SYNC_SPECS
+            }
             writer.write(bucket, rows)
         for name, tensor in reader.read(bucket):
             assert torch.equal(tensor, full[name])
