@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 
 import ray
@@ -43,6 +44,8 @@ class WeightSync:
         self.transport = choose_transport(cfg.rollout.weight_transport, len(nodes))
         self._plan_json = plan_to_json(self.plan)
         self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
+        # /dev/shm outlives processes: delete the buffers however the driver exits.
+        self._cleanup = weakref.finalize(self, remove_slots, self._prefix)
         self._connect()
         self.failed: list[int] = []  # rollout workers lost during the last `stream`
         self.metrics: dict[str, float] = {}  # of the last `stream`
@@ -161,4 +164,4 @@ class WeightSync:
 
     def close(self) -> None:
         """Delete the shared-memory slots."""
-        remove_slots(self._prefix)
+        self._cleanup()

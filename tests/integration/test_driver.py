@@ -104,7 +104,9 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
         "timeout_s": 1.0,
     }
     cfg = _config(shared_dir, tmp_path, "two-steps", reward=reward)
+    shm_before = set(Path("/dev/shm").glob("tandem-*"))
     final, records = _run(cfg)
+    assert set(Path("/dev/shm").glob("tandem-*")) == shm_before  # sync buffers deleted
     run_dir = Path(cfg.run.output_dir) / "two-steps"
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
@@ -112,6 +114,8 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
         for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "time/sync_s"):
             assert record[key] is not None and math.isfinite(record[key]), key
     assert final["rollout/version"] == 2
+    assert final["weight_sync/workers_replaced"] == 0
+    assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
     assert 0.0 <= final["eval/accuracy"] <= 1.0
 
     assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
