@@ -7,7 +7,7 @@ Each measurement runs in a child process that starts Ray, the trainer group and 
   time    per TP size and transport (shared_memory, distributed): the end-to-end seconds of a
           sync (trainer writes, vLLM's reload, prefix-cache reset, version bump), median over
           --syncs after a warm-up sync;
-  memory  per TP size, shared memory, with glibc returning every freed block of 1 MiB or more
+  memory  the same again with glibc returning every freed block of 1 MiB or more
           at once (MALLOC_MMAP_THRESHOLD_), so that peak resident memory tracks live
           allocations, not the allocator's cache: each process's peak extra bytes in a sync;
   floor   vLLM's own reload of the whole model from memory in one call (no transport);
@@ -196,17 +196,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
     for tp_size in (1, 2):
-        memory = _run_child(args, "--child", str(tp_size), memory=True)
         for transport in ("shared_memory", "distributed"):
-            timed = _run_child(args, "--child", str(tp_size), "--transport", transport)
+            child = ("--child", str(tp_size), "--transport", transport)
+            timed = _run_child(args, *child)
+            memory = _run_child(args, *child, memory=True)
             seconds = statistics.median(timed["seconds"])
             bound = memcpy_seconds(timed["bytes_loaded"])
-            peaks = "-"
-            if transport == "shared_memory":
-                peaks = (
-                    f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
-                    f"({timed['largest_bucket_mb']:.0f})"
-                )
+            peaks = (
+                f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
+                f"({timed['largest_bucket_mb']:.0f})"
+            )
             print(
                 f"| {tp_size} | {transport} | {timed['bytes_per_rank'] / mib:.0f} / "
                 f"{timed['bytes_full'] / mib:.0f} | {seconds:.2f} | "
@@ -215,8 +214,7 @@ def main() -> None:
                 f"{seconds / bound:.1f}x | {peaks} |",
                 flush=True,
             )
-            print(f"<!-- TP={tp_size} {transport}: {json.dumps(timed)} -->")
-        print(f"<!-- TP={tp_size} memory run: {json.dumps(memory)} -->")
+            print(f"<!-- TP={tp_size} {transport}: {json.dumps([timed, memory])} -->")
     print(f"\nvLLM's own reload of the whole model from memory (TP=1, one call): {floor:.2f} s")
     demo = _demo_sync_fraction(args.demo_steps)
     print(

@@ -28,14 +28,8 @@ class SyncGroup:
         for work in works:
             work.wait()
 
-    def recv(self, sizes: list[tuple[int, int]], tag: int) -> list[torch.Tensor]:
-        """Receive one fp32 tensor of each (source rank, numel), in that order."""
-        buffers = [torch.empty(numel) for _, numel in sizes]
-        works = [
-            self._group.recv([buf], src, tag)
-            for (src, numel), buf in zip(sizes, buffers, strict=True)
-            if numel
-        ]
+    def recv(self, messages: list[tuple[int, torch.Tensor]], tag: int) -> None:
+        """Receive into each (source rank, contiguous CPU tensor of the message's size)."""
+        works = [self._group.recv([t], src, tag) for src, t in messages if t.numel()]
         for work in works:
             work.wait()
-        return buffers

@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 
 from rl.sync_group import SyncGroup
-from rl.weight_pieces import pack_piece, piece_numel, unpack_pieces
+from rl.weight_pieces import (
+    bucket_tensors,
+    max_piece_numel,
+    pack_piece,
+    piece_numel,
+    unpack_pieces,
+)
 from rl.weight_plan import WeightSyncPlan, owned_rows
 
 NUM_SLOTS = 2
@@ -79,16 +85,6 @@ def write_rows(
         slot[first : first + local.numel()].copy_(local.reshape(-1))
 
 
-def bucket_tensors(
-    slot: torch.Tensor, plan: WeightSyncPlan, bucket: int
-) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of `bucket` as full-shaped views of `slot` (no copy)."""
-    return [
-        (spec.name, slot[offset : offset + spec.num_rows * spec.num_cols].view(spec.shape))
-        for spec, offset in zip(plan.buckets[bucket], plan.offsets(bucket), strict=True)
-    ]
-
-
 class SharedMemoryChannel:
     pipelined = True
 
@@ -110,6 +106,9 @@ class SharedMemoryChannel:
 
 
 class DistributedChannel:
+    """Its buffers are allocated once and reused, as the shared-memory slots are: a trainer
+    rank's packed pieces, a rollout rank's received pieces and one bucket's tensors."""
+
     pipelined = False
 
     def __init__(
@@ -117,12 +116,24 @@ class DistributedChannel:
     ) -> None:
         self._plan, self._member = plan, member
         self._num_replicas = num_replicas
-        world_size = plan.world_size + num_replicas * plan.tp_size
-        self._group = SyncGroup(addr, port, member, world_size)
+        self._group = SyncGroup(addr, port, member, plan.world_size + num_replicas * plan.tp_size)
+        if member < plan.world_size:  # a trainer rank: one packing buffer per TP rank
+            self._packed = [
+                torch.empty(max_piece_numel(plan, member, t)) for t in range(plan.tp_size)
+            ]
+        else:
+            self._tp_rank = (member - plan.world_size) % plan.tp_size
+            self._received = [
+                torch.empty(max_piece_numel(plan, w, self._tp_rank)) for w in range(plan.world_size)
+            ]
+            self._bucket = torch.empty(plan.slot_numel)
 
     def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
         plan, rank = self._plan, self._member
-        pieces = [pack_piece(plan, bucket, rank, t, local_rows) for t in range(plan.tp_size)]
+        pieces = [
+            pack_piece(plan, bucket, rank, t, local_rows, self._packed[t])
+            for t in range(plan.tp_size)
+        ]
         self._group.send(
             [
                 (plan.world_size + replica * plan.tp_size + t, pieces[t])
@@ -134,9 +145,12 @@ class DistributedChannel:
 
     def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
         plan = self._plan
-        tp_rank = (self._member - plan.world_size) % plan.tp_size
-        sizes = [(w, piece_numel(plan, bucket, w, tp_rank)) for w in range(plan.world_size)]
-        return unpack_pieces(plan, bucket, tp_rank, self._group.recv(sizes, tag=bucket))
+        pieces = [
+            self._received[w][: piece_numel(plan, bucket, w, self._tp_rank)]
+            for w in range(plan.world_size)
+        ]
+        self._group.recv(list(enumerate(pieces)), tag=bucket)
+        return unpack_pieces(plan, bucket, self._tp_rank, pieces, self._bucket)
 
 
 Channel = SharedMemoryChannel | DistributedChannel

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 from rl.config import Config
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
+from rl.weight_pieces import bucket_tensors
 from rl.weight_plan import WeightSyncPlan, load_unit, plan_to_json, plan_weight_sync
-from rl.weight_transport import bucket_tensors, open_slots, remove_slots, slot_paths
+from rl.weight_transport import open_slots, remove_slots, slot_paths
 from trainer.policy import PolicyTrainer, rank_rows
 from trainer.worker import create_train_group
 

@@ -49,6 +49,7 @@ SETUPS = {
     "llama-tied-tp1": ("llama", True, 1, 1, 0.02, [], {}, "auto"),
     # The cross-host transport, on one host: each rank receives only its regions' bytes.
     "llama-untied-tp2-gloo": ("llama", False, 2, 2, 0.02, [], {}, "distributed"),
+    "qwen2-medium-untied-tp1-gloo": ("qwen2", False, 1, 1, 2.0, [], MEDIUM, "distributed"),
 }
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -169,10 +170,13 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
 
 
 # The medium model: its buckets of MiBs dwarf the allocator's noise.
-@pytest.mark.parametrize("setup", ["qwen2-medium-untied-tp1"], indirect=True)
+@pytest.mark.parametrize(
+    "setup", ["qwen2-medium-untied-tp1", "qwen2-medium-untied-tp1-gloo"], indirect=True
+)
 def test_peak_memory_of_a_sync_stays_within_two_buckets(setup: Setup) -> None:
-    """Each process's resident memory over one sync (after the first, which also maps the
-    two shared buffers: the transport's 2 buckets per host) grows by at most 2 buckets."""
+    """Each process's resident memory over one sync grows by at most 2 buckets, after the
+    first sync, which also sets up the transport's reused buffers (shared memory: two
+    slots per host; distributed: packing and receiving buffers)."""
     setup.sync.push(1 + max(setup.rollout.versions()))  # the shared buffers are mapped
     _large_update(setup)
     metrics = setup.sync.push(1 + max(setup.rollout.versions()))

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl.weight_pieces import bucket_tensors
 from rl.weight_plan import owned_rows, plan_weight_sync
 from rl.weight_transport import (
     NUM_SLOTS,
     SHM_DIR,
-    bucket_tensors,
     choose_transport,
     create_slots,
     open_channel,
