@@ -21,17 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 PATHS = ("naive", "fused")
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _child(path: str, num_tokens: int, dim: int, vocab: int) -> dict:
     import torch
 
     from kernels import logprobs, naive_logprobs
+    from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     torch.manual_seed(0)
     hidden = (torch.randn(num_tokens, dim) * 0.05).requires_grad_()
@@ -43,20 +37,20 @@ def _child(path: str, num_tokens: int, dim: int, vocab: int) -> dict:
     lp, ent = fn(hidden[:64], weight, targets[:64])
     torch.autograd.grad((lp * g_lp[:64] + ent * g_ent[:64]).sum(), (hidden, weight))
     del lp, ent
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-    before = _rss_kib("VmRSS")
+    reset_peak_rss()
+    before = rss_bytes()
     start = time.perf_counter()
     lp, ent = fn(hidden, weight, targets)
     forward_s = time.perf_counter() - start
     grads = torch.autograd.grad((lp * g_lp + ent * g_ent).sum(), (hidden, weight))
     total_s = time.perf_counter() - start
-    peak = _rss_kib("VmHWM")
+    peak = peak_rss_bytes()
     checksum = [float(lp.double().sum()), float(ent.double().sum())]
     checksum += [float(g.double().abs().sum()) for g in grads]
     return {
         "forward_s": forward_s,
         "total_s": total_s,
-        "peak_extra_mib": (peak - before) / 1024,
+        "peak_extra_mib": (peak - before) / (1 << 20),
         "checksum": checksum,
     }
 
