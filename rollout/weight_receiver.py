@@ -2,8 +2,9 @@
 
 `WeightReceiver` is a vLLM worker extension (`worker_extension_cls`): its methods are mixed
 into vLLM's worker class and called through `collective_rpc`, so with tensor parallelism each
-rank's process reads its own region of every tensor straight from the trainer's shared-memory
-slots. Only bucket indices cross the RPC (vLLM serialises RPC arguments to worker processes).
+rank's process takes its own region of every tensor from the weight-sync channel (shared
+memory, or a gloo group across hosts: `rl.weight_transport`). Only bucket indices cross the
+RPC (vLLM serialises RPC arguments to worker processes).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class _Channel:
 
 
 class WeightReceiver:
-    """vLLM worker extension: apply weight-sync buckets from shared memory, all TP ranks alike.
+    """vLLM worker extension: apply weight-sync buckets, all TP ranks alike.
 
     Methods run on the vLLM worker (`self` is the worker; `self.model_runner.model` the model).
     An update is one of vLLM's layerwise reloads spread over the buckets: bucket 0 puts every
