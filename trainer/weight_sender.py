@@ -11,17 +11,29 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
+from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit
 from rl.weight_transport import open_channel
 
 
 def trained_tensors(model: nn.Module) -> list[TensorSpec]:
     """The parameters a sync sends, in model order, under HF names: trainable ones only (frozen
-    ones never change, the rollout has them from the checkpoint), tied ones once."""
-    specs = []
+    ones never change, the rollout has them from the checkpoint), tied ones once.
+
+    vLLM reloads a layer only whole, so a layer fused from several HF tensors (q/k/v, gate/up)
+    must be frozen whole or not at all.
+    """
+    specs, trainable_by_unit = [], {}
     for name, param in model.named_parameters():  # tied parameters appear once
+        trainable_by_unit.setdefault(load_unit(name), {})[name] = param.requires_grad
         if param.requires_grad:
             specs.append(TensorSpec(name, tuple(param.shape)))  # a DTensor's global shape
+    for unit, trainable in trainable_by_unit.items():
+        if len(set(trainable.values())) > 1:
+            frozen = sorted(name for name, grad in trainable.items() if not grad)
+            raise ValueError(
+                f"model.frozen freezes {frozen} but not the rest of {unit}, which vLLM loads "
+                f"as one layer: freeze all of {sorted(trainable)} or none"
+            )
     return specs
 
 
