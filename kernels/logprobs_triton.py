@@ -136,6 +136,27 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _accumulate_dot(
+    out_rows, out_mask, a, b_rows, b_mask, d, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr
+):
+    """out[out_mask rows, :d] += a @ b[b_mask rows, :d], BLOCK_D columns at a time; `out_rows`
+    and `b_rows` point at the rows' starts of row-major [*, d] tensors."""
+    for k in range(0, d, BLOCK_D):
+        offs = k + tl.arange(0, BLOCK_D)
+        d_mask = offs < d
+        b = tl.load(b_rows + offs[None, :], mask=b_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            b = b.to(tl.float32)
+        mask = out_mask[:, None] & d_mask[None, :]
+        out = out_rows + offs[None, :]
+        acc = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, tl.dot(a, b, acc, input_precision="ieee"), mask=mask)
+    # The next tile re-reads these accumulators, maybe through other threads of the program
+    # (the load and store layouts are the compiler's choice): make the stores visible first.
+    tl.debug_barrier()
+
+
+@triton.jit
 def _bwd_hidden_kernel(
     h_ptr, w_ptr, t_ptr, tau_ptr, stats_ptr, glp_ptr, gent_ptr, gh_ptr, N, d, vocab_size,
     ignore_index, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
@@ -158,19 +179,7 @@ def _bwd_hidden_kernel(
         if UPCAST:
             grad = grad.to(tl.float32)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * d
-        for k in range(0, d, BLOCK_D):
-            offs = k + tl.arange(0, BLOCK_D)
-            d_mask = offs < d
-            w = tl.load(w_rows + offs[None, :], mask=col_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                w = w.to(tl.float32)
-            out_mask = row_mask[:, None] & d_mask[None, :]
-            out = gh_rows + offs[None, :]
-            acc = tl.load(out, mask=out_mask, other=0.0)
-            tl.store(out, tl.dot(grad, w, acc, input_precision="ieee"), mask=out_mask)
-        # The next tile re-reads these accumulators, maybe through other threads of the program
-        # (the load and store layouts are the compiler's choice): make the stores visible first.
-        tl.debug_barrier()
+        _accumulate_dot(gh_rows, row_mask, grad, w_rows, col_mask, d, BLOCK_D, UPCAST)
 
 
 @triton.jit
@@ -195,19 +204,7 @@ def _bwd_weight_kernel(
         if UPCAST:
             grad_t = grad_t.to(tl.float32)
         h_rows = h_ptr + rows.to(tl.int64)[:, None] * d
-        for k in range(0, d, BLOCK_D):
-            offs = k + tl.arange(0, BLOCK_D)
-            d_mask = offs < d
-            h = tl.load(h_rows + offs[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            if UPCAST:
-                h = h.to(tl.float32)
-            out_mask = col_mask[:, None] & d_mask[None, :]
-            out = gw_rows + offs[None, :]
-            acc = tl.load(out, mask=out_mask, other=0.0)
-            tl.store(out, tl.dot(grad_t, h, acc, input_precision="ieee"), mask=out_mask)
-        # The next tile re-reads these accumulators, maybe through other threads of the program
-        # (the load and store layouts are the compiler's choice): make the stores visible first.
-        tl.debug_barrier()
+        _accumulate_dot(gw_rows, col_mask, grad_t, h_rows, row_mask, d, BLOCK_D, UPCAST)
 
 
 # Triton picks interpreter or compiler from TRITON_INTERPRET when @triton.jit runs: for its own
