@@ -21,17 +21,7 @@ from rl.algorithms import (
     value_loss,
 )
 from rl.config import AlgorithmConfig
-
-GARBAGE = 100.0  # written outside the mask: must never reach an output
-
-
-def t(rows: list) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> bool:
-    return torch.allclose(actual, t(expected), atol=atol, rtol=1e-5)
-
+from tests.unit.rl.tensors import GARBAGE, close, t
 
 # ---------------------------------------------------------------- policy losses
 
