@@ -78,9 +78,6 @@ class Region:
     def numel(self) -> int:
         return max(self.row_stop - self.row_start, 0) * max(self.col_stop - self.col_start, 0)
 
-    def is_whole(self, spec: TensorSpec) -> bool:
-        return self == Region(0, spec.num_rows, 0, spec.num_cols)
-
 
 def owned_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """The dim-0 rows FSDP2 gives `rank`: torch.chunk's split into `world_size` pieces."""
@@ -158,9 +155,15 @@ class WeightSyncPlan:
         """The part of `spec` rollout rank `tp_rank` loads (`needed_region`)."""
         return needed_region(spec, self.shape, tp_rank, self.tp_size)
 
+    def bucket_bytes_to_rank(self, bucket: int, tp_rank: int) -> int:
+        """Bytes rollout rank `tp_rank` loads of `bucket`."""
+        return BYTES_PER_ELEMENT * sum(
+            self.region(spec, tp_rank).numel for spec in self.buckets[bucket]
+        )
+
     def bytes_to_rank(self, tp_rank: int) -> int:
-        """Bytes one rollout rank receives per sync."""
-        return BYTES_PER_ELEMENT * sum(self.region(spec, tp_rank).numel for spec in self.tensors)
+        """Bytes one rollout rank loads per sync."""
+        return sum(self.bucket_bytes_to_rank(b, tp_rank) for b in range(len(self.buckets)))
 
     @property
     def total_bytes(self) -> int:

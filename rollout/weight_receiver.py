@@ -180,12 +180,11 @@ class WeightReceiver:
                     finalize_layerwise_reload(model, self.vllm_config.model_config)
                 initialize_layerwise_reload(model)
             channel.updating = True
-        plan = channel.plan
         ready = channel.assembler.add(channel.channel.read(bucket))
         # What waits for a later bucket must outlive a shared slot, which is rewritten soon.
         channel.assembler.own_held()
         self._tandem_load(ready)
-        return 4 * sum(plan.region(spec, channel.tp_rank).numel for spec in plan.buckets[bucket])
+        return channel.plan.bucket_bytes_to_rank(bucket, channel.tp_rank)
 
     def tandem_finish_sync(self) -> dict[str, float]:
         """Load what was held back and finish the reload. Returns the update's peak extra

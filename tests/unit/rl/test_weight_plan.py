@@ -63,7 +63,7 @@ def test_column_parallel_splits_rows_and_row_parallel_splits_columns() -> None:
     assert needed_region(o, SHAPE, 1, 2) == Region(0, 896, 448, 896)
     assert needed_region(down, SHAPE, 0, 2) == Region(0, 896, 0, 2432)
     bias = TensorSpec("model.layers.0.self_attn.o_proj.bias", (896,))
-    assert needed_region(bias, SHAPE, 1, 2).is_whole(bias)  # row-parallel bias: replicated
+    assert needed_region(bias, SHAPE, 1, 2) == Region(0, 896, 0, 1)  # row-parallel: replicated
 
 
 def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:
@@ -100,7 +100,7 @@ def test_every_element_is_loaded_by_some_rank_and_tp1_takes_everything_whole(
             r = needed_region(spec, SHAPE, t, tp_size)
             covered[r.row_start : r.row_stop, r.col_start : r.col_stop] = True
             if tp_size == 1:
-                assert r.is_whole(spec)
+                assert r == Region(0, spec.num_rows, 0, spec.num_cols)
         assert covered.all(), spec.name
 
 
