@@ -53,9 +53,9 @@ def build_model() -> Path:
 def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> dict:
     import ray
 
+    from rl.cluster import reserve
     from rl.config import Config
     from rl.rollout_group import RolloutGroup
-    from rl.scheduler import colocate
     from rl.train_group import TrainGroup
     from rl.weight_sync import WeightSync
 
@@ -74,7 +74,7 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
         }
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    placement = colocate(cfg)
+    placement = reserve(cfg)
     sharing = placement.plan.num_roles_sharing
     rollout = RolloutGroup(cfg, placement, sharing)
     trainers = TrainGroup(cfg, placement, sharing)

@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Off-policy corrections that weigh tokens without dropping any (see rl.algorithms).
+MASK_KEEPING_CORRECTIONS = ("token-tis", "seq-tis", "decoupled")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -202,9 +205,10 @@ class AlgorithmConfig(_Section):
     kl_horizon: int = Field(10000, description="Adaptive KL controller horizon (samples).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
     off_policy: str = Field(
-        "none",
+        "auto",
         description="Importance-sampling correction from rl.algorithms.OFF_POLICY_CORRECTIONS "
-        "(behaviour log-probs recorded at generation vs the proximal policy).",
+        "(behaviour log-probs recorded at generation vs the proximal policy); auto = token-tis "
+        "when scheduler.max_staleness > 0, else none.",
     )
     is_cap: float = Field(2.0, description="Truncated IS: weights capped at this C.")
     is_low: float = Field(0.5, description="Masked IS: tokens/sequences with weight below dropped.")
@@ -214,7 +218,7 @@ class AlgorithmConfig(_Section):
     recompute_old_logprobs: bool = Field(
         False,
         description="Recompute old log-probs with the trainer (the proximal policy of decoupled "
-        "PPO) instead of using the behaviour log-probs; needed for off_policy corrections.",
+        "PPO) instead of using the behaviour log-probs; always on with an off_policy correction.",
     )
     dynamic_sampling: bool = Field(
         False,
@@ -275,6 +279,37 @@ class RewardConfig(_Section):
     model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
 
 
+class SchedulerConfig(_Section):
+    """Where roles run on the device pool, and how far generation may run ahead of training."""
+
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: every role shares every device, time-sliced; split: rollout and "
+        "trainer get disjoint devices.",
+    )
+    rollout_devices: int = Field(
+        0,
+        description="split: devices for the rollout workers (0 = rollout.num_workers x "
+        "tensor_parallel_size).",
+    )
+    trainer_devices: int = Field(
+        0,
+        description="split: devices the trainer ranks (and critic, reward models) share "
+        "(0 = trainer.num_workers).",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k: a trained sample's oldest token is at most k policy versions old; 0 = "
+        "on-policy, k >= 1 generates the next steps while the trainer trains.",
+    )
+    partial_rollout: Literal["finish", "abort"] = Field(
+        "finish",
+        description="At a weight sync, generations in flight finish under the old weights, or "
+        "are aborted and resumed under the new ones with their prefix kept.",
+    )
+
+
 class RunConfig(_Section):
     name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")
     output_dir: str = Field("runs", description="Parent of run directories.")
@@ -306,9 +341,38 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    run: RunConfig = RunConfig()
 
     def critic_world_size(self) -> int:
         """critic.num_workers, where 0 means as many ranks as the policy trainer."""
         return self.critic.num_workers or self.trainer.num_workers
 
-    run: RunConfig = RunConfig()
+    def off_policy_correction(self) -> str:
+        """algorithm.off_policy with auto resolved: stale samples (max_staleness > 0) get
+        truncated importance sampling against the recomputed proximal policy."""
+        if self.algorithm.off_policy != "auto":
+            return self.algorithm.off_policy
+        return "token-tis" if self.scheduler.max_staleness > 0 else "none"
+
+    def proximal_from_forward(self) -> bool:
+        """Whether the trainer takes the proximal log-probs from its training forward itself,
+        detached, instead of a separate pass over the batch: exact when the batch gets one
+        optimizer step (that forward's weights are the proximal policy), nothing needs them
+        before training (a KL reward penalty does) and the correction keeps every token."""
+        algo, trainer = self.algorithm, self.trainer
+        return (
+            self.off_policy_correction() in MASK_KEEPING_CORRECTIONS
+            and not algo.recompute_old_logprobs
+            and trainer.num_mini_batches == 1
+            and trainer.num_epochs == 1
+            and not (algo.kl_coef > 0 and algo.kl_in_reward)
+        )
+
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether a separate trainer pass recomputes the proximal log-probs before training
+        (asked for, or needed by a correction that the training forward cannot supply)."""
+        correction = self.off_policy_correction()
+        return self.algorithm.recompute_old_logprobs or (
+            correction != "none" and not self.proximal_from_forward()
+        )

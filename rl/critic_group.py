@@ -5,8 +5,8 @@ from __future__ import annotations
 import ray
 import torch
 
+from rl.cluster import Placement
 from rl.config import Config
-from rl.scheduler import Placement
 from rl.types import Batch
 from trainer.critic_worker import create_critic_group
 

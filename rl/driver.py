@@ -1,7 +1,9 @@
-"""The single controller: one RL loop (GRPO family or PPO) that reads top to bottom.
+"""The single controller: builds the roles, then hands the RL loop to the scheduler.
 
-generate + score -> (old/ref log-probs, values) -> advantages -> train -> sync weights -> log,
-with held-out greedy evaluation every `run.eval_every` steps and an HF export at the end.
+The loop itself (rl.scheduler) reads: generate and score groups as admission allows, annotate
+them (old/reference log-probs, values), train a step, sync its weights; with
+scheduler.max_staleness > 0 generation of the next steps overlaps training. Held-out greedy
+evaluation runs every `run.eval_every` versions, and the final policy is exported to HF.
 """
 
 from __future__ import annotations
@@ -9,20 +11,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
-from rl.batching import build_batch
+from rl.cluster import init_ray, reserve
 from rl.config import Config
 from rl.critic_group import CriticGroup
 from rl.data import PromptStream, load_split
 from rl.evaluation import evaluate
-from rl.experience import KLController, annotate_batch, collect_rollouts
+from rl.experience import StreamingScorer, TrainerSide
 from rl.metrics import MetricsLogger
+from rl.prompts import encode_prompt
 from rl.rewards import RewardScorer
 from rl.rollout_group import RolloutGroup
-from rl.scheduler import colocate, init_ray
+from rl.scheduler import Scheduler, Settings
 from rl.tasks import get_task
+from rl.trace import Trace
 from rl.train_group import TrainGroup
 from rl.types import SamplingParams
 from rl.weight_sync import WeightSync
@@ -30,7 +33,8 @@ from trainer.base_model import ensure_base
 
 
 def train(cfg: Config) -> dict[str, float]:
-    """Run `cfg` to the end; returns the final step's metrics (with eval/accuracy_before)."""
+    """Run `cfg` to the end; returns the final step's metrics (with eval/accuracy_before and
+    the whole run's run/busy_fraction and run/overlap_fraction)."""
     ensure_base(cfg)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -40,73 +44,81 @@ def train(cfg: Config) -> dict[str, float]:
     test_examples = list(load_split(cfg.data, "test"))[: cfg.run.num_eval_prompts]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     init_ray()
-    placement = colocate(cfg)
-    num_roles = placement.plan.num_roles_sharing
+    placement = reserve(cfg)
+    plan, num_roles = placement.plan, placement.plan.num_roles_sharing
     rollout = RolloutGroup(cfg, placement, num_roles_sharing=num_roles)
     trainers = TrainGroup(cfg, placement, num_roles_sharing=num_roles)
-    has_critic = "critic" in placement.plan.roles
-    critic = CriticGroup(cfg, placement, num_roles_sharing=num_roles) if has_critic else None
+    critic = (
+        CriticGroup(cfg, placement, num_roles_sharing=num_roles) if "critic" in plan.roles else None
+    )
     weight_sync = WeightSync(cfg, trainers, rollout)
-    # Reward models share bundle 0 like every colocated role.
-    scorer = RewardScorer(cfg.reward, task, placement.actor_options(0, num_roles))
+    reward_bundle = plan.roles.get("reward_model", [0])[0]
+    scorer = StreamingScorer(
+        cfg, RewardScorer(cfg.reward, task, placement.actor_options(reward_bundle, num_roles))
+    )
+    trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, tokenizer.pad_token_id)
+    trace = Trace(plan.trace_lanes())
     logger = MetricsLogger(cfg, run_dir)
+    rollout_lanes = [lane for lane in trace.lanes if lane.startswith("rollout")]
+
+    def held_out_accuracy() -> float:
+        for lane in rollout_lanes:
+            trace.begin(lane, "eval")
+        accuracy = evaluate(rollout, tokenizer, task, test_examples, cfg)
+        for lane in rollout_lanes:
+            trace.end(lane, "eval")
+        return accuracy
+
+    def on_version(version: int) -> dict[str, float]:
+        due = version == cfg.run.num_steps or (
+            cfg.run.eval_every and version % cfg.run.eval_every == 0
+        )
+        return {"eval/accuracy": held_out_accuracy()} if due else {}
+
+    def next_prompt() -> tuple[dict, list[int]]:
+        example = prompts_stream.next_batch(1)[0]
+        return example, encode_prompt(tokenizer, example["prompt"])
+
+    accuracy_before = held_out_accuracy()
+    logger.print(f"held-out greedy accuracy before RL: {accuracy_before:.1%}")
+    logger.log(0, {"eval/accuracy": accuracy_before})
     sampling = SamplingParams(
         n=cfg.algorithm.group_size,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.run.seed * 100_003,  # group ids are unique in a run, so every sample differs
     )
-    kl_controller = KLController(cfg.algorithm)
-
-    accuracy_before = evaluate(rollout, tokenizer, task, test_examples, cfg, version=0)
-    logger.print(f"held-out greedy accuracy before RL: {accuracy_before:.1%}")
-    logger.log(0, {"eval/accuracy": accuracy_before})
+    scheduler = Scheduler(
+        Settings.from_config(cfg),
+        sampling,
+        rollout,
+        trainer_side,
+        scorer,
+        next_prompt,
+        trace,
+        on_version,
+    )
+    start = time.perf_counter()
     metrics: dict[str, float] = {}
-    for step in range(1, cfg.run.num_steps + 1):
-        step_start = time.perf_counter()
-        sampling.seed = cfg.run.seed * 100_003 + step
-        rollouts = collect_rollouts(
-            cfg, rollout, scorer, prompts_stream, tokenizer, sampling, version=step - 1
-        )
-        metrics = dict(rollouts.metrics)
-        gen_s = time.perf_counter() - step_start
-
-        train_start = time.perf_counter()
-        if rollouts.samples:  # dynamic sampling found no informative group: nothing to learn
-            batch = build_batch(rollouts.samples, pad_id=tokenizer.pad_token_id)
-            scores = torch.tensor(rollouts.scores)
-            metrics.update(annotate_batch(cfg, batch, scores, trainers, critic, kl_controller))
-            metrics.update(trainers.train_step(batch))
-            if critic is not None:
-                metrics.update(critic.train_step(batch))
-        sync_start = time.perf_counter()
-        metrics.update(weight_sync.push(version=step))
-        sync_s = time.perf_counter() - sync_start
-        metrics["rollout/version"] = min(rollout.versions())
-
-        num_tokens = sum(len(s.response_ids) for s in rollouts.samples)
-        metrics.update(
-            {
-                "perf/gen_tokens_per_s": num_tokens / gen_s,
-                "time/generate_s": gen_s,
-                "time/train_s": sync_start - train_start,
-                "time/sync_s": sync_s,
-            }
-        )
-        if step == cfg.run.num_steps or (cfg.run.eval_every and step % cfg.run.eval_every == 0):
-            metrics["eval/accuracy"] = evaluate(rollout, tokenizer, task, test_examples, cfg, step)
-        metrics["time/step_s"] = time.perf_counter() - step_start
+    for step, metrics in scheduler.run():
         logger.log(step, metrics)
-
+    run_summary = trace.summary(start, time.perf_counter())
     metrics["eval/accuracy_before"] = accuracy_before
+    metrics.update({key.replace("perf/", "run/"): value for key, value in run_summary.items()})
     logger.print(
         f"held-out greedy accuracy: {accuracy_before:.1%} before -> "
-        f"{metrics['eval/accuracy']:.1%} after {cfg.run.num_steps} steps"
+        f"{metrics['eval/accuracy']:.1%} after {cfg.run.num_steps} steps; the device pool was "
+        f"busy {metrics.get('run/busy_fraction', 0):.0%} of the time, generation and training "
+        f"overlapped {metrics['run/overlap_fraction']:.0%}"
     )
     if cfg.run.export_hf:
-        export_dir = trainers.export_hf(run_dir / "hf")
+        with trace.span("trainer", "checkpoint"):
+            export_dir = trainers.export_hf(run_dir / "hf")
         logger.print(f"final policy exported to {export_dir}")
+    trace.write(run_dir / "trace.json")
     logger.close()
+    trainer_side.close()
     weight_sync.close()
     scorer.close()
     placement.release()

@@ -17,11 +17,10 @@ def evaluate(
     task: Task,
     examples: list[dict],
     cfg: Config,
-    version: int,
 ) -> float:
     """Fraction of `examples` whose greedy (temperature 0) response the task verifier accepts."""
     prompts = [encode_prompt(tokenizer, example["prompt"]) for example in examples]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    samples = rollout.generate(prompts, greedy, policy_version=version)
+    samples = rollout.generate(prompts, greedy)
     scores = [task.score(s.response_text, examples[s.group_id]) for s in samples]
     return sum(scores) / len(scores)

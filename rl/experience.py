@@ -1,16 +1,17 @@
-"""From prompts to a training `Batch`: generate, score, then old/reference log-probs, values,
-off-policy weights, KL penalty and advantages.
+"""From generated samples to a training step, for the scheduler (rl.scheduler).
 
-The driver calls `collect_rollouts` and then `annotate_batch`; both are plain functions over
-the role groups, so each step's data flow can be read in one place.
+`StreamingScorer` scores one group at a time (with DAPO's overlong shaping) off the driver's
+thread; `TrainerSide` computes the model annotations a step needs (proximal and reference
+log-probs, values) as groups arrive, then builds the batch (advantages, KL penalty, off-policy
+weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
+read, and tested, in one place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from rl.algorithms import (
     ADVANTAGES,
@@ -18,101 +19,46 @@ from rl.algorithms import (
     OFF_POLICY_CORRECTIONS,
     adaptive_kl_coef,
     at_last_token,
-    dynamic_sampling_keep,
     masked_mean,
     overlong_penalty,
 )
+from rl.batching import build_batch, per_sample
 from rl.config import AlgorithmConfig, Config
 from rl.critic_group import CriticGroup
-from rl.data import PromptStream
-from rl.prompts import encode_prompt
 from rl.rewards import RewardScorer
-from rl.rollout_group import RolloutGroup
 from rl.train_group import TrainGroup
-from rl.types import Batch, Sample, SamplingParams
+from rl.types import Batch, Sample
+from rl.weight_sync import WeightSync
 
 
-@dataclass
-class Rollouts:
-    """Scored samples, group by group (G consecutive samples per prompt)."""
+class StreamingScorer:
+    """Scores groups on one background thread, so the driver keeps dispatching meanwhile."""
 
-    samples: list[Sample] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
+    def __init__(self, cfg: Config, scorer: RewardScorer) -> None:
+        self.cfg = cfg
+        self.scorer = scorer
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
+    def score(self, samples: list[Sample], example: dict) -> Future:
+        """Future of (scores, metrics) for one group's `samples`, all answering `example`."""
+        return self._thread.submit(self._score, samples, example)
 
-def collect_rollouts(
-    cfg: Config,
-    rollout: RolloutGroup,
-    scorer: RewardScorer,
-    stream: PromptStream,
-    tokenizer: PreTrainedTokenizerBase,
-    sampling: SamplingParams,
-    version: int,
-) -> Rollouts:
-    """`run.prompts_per_step` prompts x G responses, scored (with overlong shaping).
-
-    With dynamic sampling (DAPO), groups whose scores are all equal carry no signal: they are
-    dropped and more prompts are generated, at most `algorithm.max_sampling_rounds` rounds; the
-    step then trains on however many informative groups it found (possibly fewer).
-    """
-    algo, group_size, wanted = cfg.algorithm, cfg.algorithm.group_size, cfg.run.prompts_per_step
-    kept = Rollouts()
-    num_rounds = num_generated = 0
-    all_scores: list[torch.Tensor] = []
-    while len(kept.samples) < wanted * group_size and num_rounds < algo.max_sampling_rounds:
-        num_rounds += 1
-        examples = stream.next_batch(wanted)
-        prompts = [encode_prompt(tokenizer, ex["prompt"]) for ex in examples]
-        samples = rollout.generate(prompts, sampling, policy_version=version)
-        num_generated += len(samples)
-        per_sample = [examples[s.group_id] for s in samples]
-        scores, reward_metrics = scorer.score(
-            [ex["prompt"] for ex in per_sample], [s.response_text for s in samples], per_sample
+    def _score(self, samples: list[Sample], example: dict) -> tuple[list[float], dict[str, float]]:
+        algo = self.cfg.algorithm
+        scores, metrics = self.scorer.score(
+            [example["prompt"]] * len(samples),
+            [s.response_text for s in samples],
+            [example] * len(samples),
         )
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         scores = scores + overlong_penalty(
-            lengths, sampling.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
+            lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
         )
-        all_scores.append(scores)
-        _accumulate(kept.metrics, reward_metrics)
-        keep = (
-            dynamic_sampling_keep(scores, group_size)
-            if algo.dynamic_sampling
-            else torch.ones(len(examples), dtype=torch.bool)
-        )
-        for group in keep.nonzero().flatten().tolist():
-            rows = range(group * group_size, (group + 1) * group_size)
-            kept.samples.extend(samples[row] for row in rows)
-            kept.scores.extend(scores[row].item() for row in rows)
-        if not algo.dynamic_sampling:
-            break
-    del kept.samples[wanted * group_size :], kept.scores[wanted * group_size :]
-    generated = torch.cat(all_scores)
-    kept.metrics.update(
-        {
-            "reward/mean": generated.mean().item(),
-            "reward/solved_groups": (generated.view(-1, group_size).max(dim=1).values > 0)
-            .float()
-            .mean()
-            .item(),
-            "rollout/sampling_rounds": float(num_rounds),
-            "rollout/kept_groups": len(kept.samples) / group_size,
-            "response/mean_tokens": sum(len(s.response_ids) for s in kept.samples)
-            / max(len(kept.samples), 1),
-            "response/truncated": sum(s.finish_reason == "length" for s in kept.samples)
-            / max(len(kept.samples), 1),
-            "rollout/generated_samples": float(num_generated),
-        }
-    )
-    return kept
+        return scores.tolist(), metrics
 
-
-def _accumulate(total: dict[str, float], new: dict[str, float]) -> None:
-    """Counts (errors, timeouts) add up over sampling rounds; means keep the latest round."""
-    for key, value in new.items():
-        is_count = key.endswith(("errors", "timeouts"))
-        total[key] = total.get(key, 0.0) + value if is_count else value
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.scorer.close()
 
 
 class KLController:
@@ -129,48 +75,114 @@ class KLController:
             )
 
 
-def annotate_batch(
+def annotate_samples(
     cfg: Config,
-    batch: Batch,
-    scores: torch.Tensor,
+    samples: list[Sample],
+    pad_id: int,
     trainers: TrainGroup,
     critic: CriticGroup | None,
-    kl_controller: KLController,
-) -> dict[str, float]:
-    """Fill `batch` in place for training; returns metrics.
+) -> list[Sample]:
+    """Fill each sample's proximal (when recomputed) and reference (when KL is on) log-probs
+    and critic values, from the trainer side's current weights; returns `samples`."""
+    batch = build_batch(samples, pad_id)
+    if cfg.recomputes_old_logprobs():
+        for sample, values in zip(
+            samples, per_sample(trainers.compute_logprobs(batch), samples), strict=True
+        ):
+            sample.old_logprobs = values
+    if cfg.algorithm.kl_coef > 0:
+        ref = trainers.compute_logprobs(batch, model="reference")
+        for sample, values in zip(samples, per_sample(ref, samples), strict=True):
+            sample.ref_logprobs = values
+    if critic is not None:
+        for sample, values in zip(
+            samples, per_sample(critic.compute_values(batch), samples), strict=True
+        ):
+            sample.values = values
+    return samples
 
-    scores: [B] sequence rewards. Order matters: the proximal log-probs come first because the
-    off-policy weights and the KL penalty are measured from them.
-    """
+
+def prepare_batch(
+    cfg: Config,
+    samples: list[Sample],
+    scores: list[float],
+    pad_id: int,
+    kl_controller: KLController,
+) -> tuple[Batch, dict[str, float]]:
+    """The training batch of annotated `samples` with sequence rewards `scores` [B]: KL
+    penalty, advantages, then off-policy weights (measured from the proximal log-probs)."""
     algo = cfg.algorithm
+    batch = build_batch(samples, pad_id)
     metrics: dict[str, float] = {}
     # The full response mask: rewards, baselines and values cover every generated token even
     # when the off-policy correction later drops some of them from the loss.
     mask = batch.loss_mask
-    if algo.recompute_old_logprobs:
-        batch.old_logprobs = trainers.compute_logprobs(batch)
+    if cfg.recomputes_old_logprobs():
         gap = (batch.old_logprobs - batch.behaviour_logprobs).abs() * mask
         metrics["off_policy/max_abs_logprob_gap"] = gap.max().item()
-    if algo.kl_coef > 0:
-        batch.ref_logprobs = trainers.compute_logprobs(batch, model="reference")
-    values = None
-    if critic is not None:
-        values = batch.old_values = critic.compute_values(batch)
-
-    rewards = at_last_token(scores, mask)
+    rewards = at_last_token(torch.tensor(scores), mask)
     if algo.kl_coef > 0 and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_logprobs, batch.ref_logprobs) * mask
         rewards = rewards - kl_controller.coef * kl
         sequence_kl = kl.sum(dim=1).mean().item()
         metrics.update({"kl/reward_penalty": sequence_kl, "kl/coef": kl_controller.coef})
         kl_controller.update(sequence_kl, batch.num_sequences)
-    batch.advantages, batch.returns = ADVANTAGES.get(algo.advantage)(rewards, mask, algo, values)
+    batch.advantages, batch.returns = ADVANTAGES.get(algo.advantage)(
+        rewards, mask, algo, batch.old_values
+    )
     metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
 
-    if algo.off_policy != "none":
-        batch.is_weights, batch.loss_mask = OFF_POLICY_CORRECTIONS.get(algo.off_policy)(
+    correction = cfg.off_policy_correction()
+    if correction != "none" and not cfg.proximal_from_forward():
+        batch.is_weights, batch.loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
             batch.old_logprobs, batch.behaviour_logprobs, mask, algo
         )
         metrics["off_policy/kept_token_frac"] = (batch.loss_mask.sum() / mask.sum()).item()
         metrics["off_policy/weight_mean"] = masked_mean(batch.is_weights, batch.loss_mask).item()
-    return metrics
+    return batch, metrics
+
+
+class TrainerSide:
+    """The policy trainer, critic and weight sync as the scheduler sees them: annotation and
+    training run one at a time on a background thread (the trainer ranks do one thing at a
+    time anyway); a weight push is called when neither is running."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        trainers: TrainGroup,
+        critic: CriticGroup | None,
+        weight_sync: WeightSync,
+        pad_id: int,
+    ) -> None:
+        self.cfg = cfg
+        self.trainers, self.critic, self.weight_sync = trainers, critic, weight_sync
+        self.pad_id = pad_id
+        self.kl_controller = KLController(cfg.algorithm)
+        self.needs_annotation = (
+            cfg.recomputes_old_logprobs() or cfg.algorithm.kl_coef > 0 or critic is not None
+        )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+
+    def annotate(self, samples: list[Sample]) -> Future:
+        return self._thread.submit(
+            annotate_samples, self.cfg, samples, self.pad_id, self.trainers, self.critic
+        )
+
+    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        return self._thread.submit(self._train, samples, scores)
+
+    def _train(self, samples: list[Sample], scores: list[float]) -> dict[str, float]:
+        if not samples:  # dynamic sampling found no informative group: nothing to learn
+            return {}
+        batch, metrics = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller)
+        metrics.update(self.trainers.train_step(batch))
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(batch))
+        return metrics
+
+    def push(self, version: int) -> dict[str, float]:
+        return self.weight_sync.push(version)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

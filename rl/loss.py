@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from rl.algorithms import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, masked_mean
+from rl.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    POLICY_LOSSES,
+    masked_mean,
+)
 from rl.config import AlgorithmConfig
 from rl.types import Batch
 
@@ -27,17 +33,28 @@ def policy_objective(
     batch: Batch,
     max_response_len: int,
     denominator: float,
+    forward_correction: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch, already divided by the global `denominator`.
 
-    logprobs, entropy: [B, T-1] under the current policy. Returns (scalar loss, detached
-    per-micro-batch metrics as masked means).
+    logprobs, entropy: [B, T-1] under the current policy. With `forward_correction` (an
+    off-policy correction that keeps every token), the proximal policy is this forward's own
+    (the batch's only optimizer step has not happened yet), so its log-probs are `logprobs`
+    detached and the correction's weights are computed here, saving a separate pass.
+    Returns (scalar loss, detached per-micro-batch metrics as masked means).
     """
     mask = batch.loss_mask
+    old_logprobs, is_weights = batch.old_logprobs, batch.is_weights
+    if forward_correction is not None:
+        old_logprobs = logprobs.detach()
+        is_weights, kept = OFF_POLICY_CORRECTIONS.get(forward_correction)(
+            old_logprobs, batch.behaviour_logprobs, mask, cfg
+        )
+        assert torch.equal(kept, mask), f"{forward_correction} dropped tokens"
     pg_loss, clipped = POLICY_LOSSES.get(cfg.policy_loss)(
-        logprobs, batch.old_logprobs, batch.advantages, mask, cfg
+        logprobs, old_logprobs, batch.advantages, mask, cfg
     )
-    token_loss = pg_loss if batch.is_weights is None else pg_loss * batch.is_weights
+    token_loss = pg_loss if is_weights is None else pg_loss * is_weights
     if cfg.entropy_coef:
         # Guarded so a zero coefficient skips the kernel's entropy backward entirely.
         token_loss = token_loss - cfg.entropy_coef * entropy
@@ -45,8 +62,10 @@ def policy_objective(
         "pg_loss": masked_mean(pg_loss.detach(), mask),
         "clip_frac": masked_mean(clipped, mask),
         "entropy": masked_mean(entropy.detach(), mask),
-        "approx_kl_old": masked_mean((batch.old_logprobs - logprobs).detach(), mask),
+        "approx_kl_old": masked_mean((old_logprobs - logprobs).detach(), mask),
     }
+    if is_weights is not None:
+        metrics["is_weight"] = masked_mean(is_weights, mask)
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         assert batch.ref_logprobs is not None, "a KL loss term needs reference log-probs"
         kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logprobs, batch.ref_logprobs)

@@ -1,6 +1,11 @@
 """The placement plan: which bundles of the device pool each role's actors use.
 
-Pure (no Ray), so `rl train --dry-run` can show it; `rl.scheduler` reserves it with Ray.
+Pure (no Ray), so `rl train --dry-run` can show it; `rl.cluster` reserves it with Ray.
+
+colocate: every role shares every device and the scheduler time-slices them (or overlaps
+them, with max_staleness > 0, on the same devices). split: the rollout workers get the first
+`rollout_devices` bundles, and the trainer ranks, critic and reward models share the next
+`trainer_devices`, so generation and training never compete for a device.
 """
 
 from __future__ import annotations
@@ -16,37 +21,76 @@ from rl.rewards.terms import MODEL_PREFIX
 class PlacementPlan:
     """Which bundles of the device pool each role uses (colocated roles share bundles)."""
 
+    mode: str  # "colocate" or "split"
     num_devices: int
-    roles: dict[str, list[int]]  # role -> bundle index of each of its actors
+    roles: dict[str, list[int]]  # role -> first bundle index of each of its actors
+    rollout_width: int = 1  # bundles per rollout worker (its tensor-parallel size)
 
     @property
     def num_roles_sharing(self) -> int:
-        """Most actors on one bundle: each colocated actor asks for this fraction of it."""
+        """Most actors on one bundle: each actor asks for this fraction of its bundle."""
         per_bundle = Counter(index for bundles in self.roles.values() for index in bundles)
         return max(per_bundle.values())
 
+    def devices_of(self, role: str) -> list[int]:
+        """The distinct bundles `role`'s actors run on, in order."""
+        return sorted(set(self.roles.get(role, [])))
+
+    def trace_lanes(self) -> dict[str, list[int]]:
+        """Lanes of the run's trace (rl.trace) and the bundles each occupies: one per rollout
+        worker, one for the trainer side (policy, reference, critic), and the reward lane,
+        on the reward models' bundles (function rewards run in the driver's processes)."""
+        lanes = {
+            f"rollout-{index}": list(range(first, first + self.rollout_width))
+            for index, first in enumerate(self.roles["rollout"])
+        }
+        lanes["trainer"] = sorted({*self.devices_of("trainer"), *self.devices_of("critic")})
+        lanes["reward"] = self.devices_of("reward_model")
+        return lanes
+
     def describe(self) -> str:
-        lines = [f"colocate: {self.num_devices} devices (bundles), shared by every role"]
+        shared = "shared by every role" if self.mode == "colocate" else "rollout apart"
+        lines = [f"{self.mode}: {self.num_devices} devices (bundles), {shared}"]
         for role, bundles in self.roles.items():
             lines.append(f"  {role}: {len(bundles)} actor(s) on bundles {bundles}")
         return "\n".join(lines)
 
 
 def plan_placement(cfg: Config) -> PlacementPlan:
-    """The colocated layout of `cfg`, computed without Ray (for `rl train --dry-run`).
+    """The layout of `cfg`, computed without Ray (for `rl train --dry-run`).
 
-    The pool is as large as the largest role needs (each rollout worker spans
+    colocate: the pool is as large as the largest role needs (each rollout worker spans
     tensor_parallel_size devices), so on 2 CPUs two trainer ranks and one rollout worker fit.
     """
     tp = cfg.rollout.tensor_parallel_size
-    roles = {
-        "rollout": [index * tp for index in range(cfg.rollout.num_workers)],
-        "trainer": list(range(cfg.trainer.num_workers)),
+    num_rollout_devices = cfg.rollout.num_workers * tp
+    trainer_roles = {
+        "trainer": cfg.trainer.num_workers,
+        "critic": cfg.critic_world_size() if cfg.algorithm.advantage == "gae" else 0,
+        "reward_model": sum(term.name.startswith(MODEL_PREFIX) for term in cfg.reward.terms),
     }
-    if cfg.algorithm.advantage == "gae":  # PPO: the critic gets its own group
-        roles["critic"] = list(range(cfg.critic_world_size()))
-    num_reward_models = sum(term.name.startswith(MODEL_PREFIX) for term in cfg.reward.terms)
-    if num_reward_models:
-        roles["reward_model"] = [0] * num_reward_models
-    num_devices = max(cfg.rollout.num_workers * tp, *(len(bundles) for bundles in roles.values()))
-    return PlacementPlan(num_devices=num_devices, roles=roles)
+    if cfg.scheduler.placement == "split":
+        num_rollout_devices = cfg.scheduler.rollout_devices or num_rollout_devices
+        num_trainer_devices = cfg.scheduler.trainer_devices or cfg.trainer.num_workers
+        first = num_rollout_devices
+    else:
+        num_trainer_devices = max(cfg.trainer.num_workers, cfg.critic_world_size())
+        first = 0
+    roles = {"rollout": _spread(cfg.rollout.num_workers, num_rollout_devices, tp, 0)}
+    for role, count in trainer_roles.items():
+        if count and role == "reward_model":
+            roles[role] = [first] * count  # small models: they share the first device
+        elif count:
+            roles[role] = _spread(count, num_trainer_devices, 1, first)
+    if cfg.scheduler.placement == "split":
+        num_devices = num_rollout_devices + num_trainer_devices
+    else:
+        num_devices = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
+    return PlacementPlan(cfg.scheduler.placement, num_devices, roles, tp)
+
+
+def _spread(num_actors: int, num_devices: int, width: int, first: int) -> list[int]:
+    """First bundle of each of `num_actors` actors spanning `width` bundles each, placed
+    round-robin over `num_devices` bundles from `first`."""
+    slots = max(num_devices // width, 1)
+    return [first + (index % slots) * width for index in range(num_actors)]

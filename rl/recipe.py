@@ -163,6 +163,7 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
         )
     _check_registered_names(cfg, path)
     _check_algorithm(cfg, path)
+    _check_scheduler(cfg, path)
     for key, value in {
         "trainer.num_workers": cfg.trainer.num_workers,
         "rollout.num_workers": cfg.rollout.num_workers,
@@ -171,6 +172,30 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     }.items():
         if value < 1:
             raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
+
+
+def _check_scheduler(cfg: Config, path: Path | str) -> None:
+    sched, tp = cfg.scheduler, cfg.rollout.tensor_parallel_size
+    if sched.placement == "colocate":
+        for key in ("rollout_devices", "trainer_devices"):
+            if getattr(sched, key):
+                raise ConfigError(
+                    f"{path}: scheduler.{key} sizes the split placement; with "
+                    "scheduler.placement=colocate every role shares one pool (set "
+                    "scheduler.placement=split, or drop the key)"
+                )
+        return
+    for key, value in (
+        ("rollout_devices", sched.rollout_devices),
+        ("trainer_devices", sched.trainer_devices),
+    ):
+        if value < 0:
+            raise ConfigError(f"{path}: scheduler.{key} must be >= 0 (0 = sized from workers)")
+    if sched.rollout_devices and sched.rollout_devices % tp:
+        raise ConfigError(
+            f"{path}: scheduler.rollout_devices={sched.rollout_devices} must be a multiple of "
+            f"rollout.tensor_parallel_size={tp} (each rollout worker spans that many devices)"
+        )
 
 
 # Estimators whose baseline comes from the other responses to the same prompt.
@@ -185,11 +210,6 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
         raise ConfigError(
             f"{path}: algorithm.advantage={algo.advantage} needs algorithm.group_size >= 2 "
             "(its baseline is the other responses to the same prompt)"
-        )
-    if algo.off_policy != "none" and not algo.recompute_old_logprobs:
-        raise ConfigError(
-            f"{path}: algorithm.off_policy={algo.off_policy} weighs behaviour against proximal "
-            "log-probs; set algorithm.recompute_old_logprobs=true"
         )
     if algo.dual_clip and algo.dual_clip <= 1:
         raise ConfigError(
@@ -241,7 +261,7 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
         ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
         ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
-        ("algorithm.off_policy", cfg.algorithm.off_policy, OFF_POLICY_CORRECTIONS),
+        ("algorithm.off_policy", cfg.off_policy_correction(), OFF_POLICY_CORRECTIONS),
     ):
         if value not in registry:
             raise ConfigError(
@@ -332,7 +352,27 @@ def dry_run_report(cfg: Config, path: Path | str) -> str:
             f"{path}: config ok",
             cfg.model_dump_json(indent=2),
             plan_placement(cfg).describe(),
+            _describe_overlap(cfg),
             inputs,
             "dry run: nothing started",
         ]
+    )
+
+
+def _describe_overlap(cfg: Config) -> str:
+    """The scheduler's staleness bound and the off-policy correction it implies."""
+    k = cfg.scheduler.max_staleness
+    correction = cfg.off_policy_correction()
+    if cfg.algorithm.off_policy == "auto":
+        correction += " (auto)"
+    if cfg.proximal_from_forward():
+        proximal = "taken from the training forward"
+    elif cfg.recomputes_old_logprobs():
+        proximal = "recomputed by a trainer pass"
+    else:
+        proximal = "the behaviour log-probs"
+    return (
+        f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
+        f"partial_rollout={cfg.scheduler.partial_rollout}; off-policy correction {correction}, "
+        f"proximal log-probs {proximal}"
     )

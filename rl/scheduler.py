@@ -1,71 +1,315 @@
-"""Placement: one Ray placement group over the device pool, roles mapped onto its bundles.
+"""The scheduler: generation overlapped with training on one device pool, staleness bounded.
 
-Colocate mode (the only one so far): every role shares every device and the driver
-time-slices them (generate, then train, then sync), so each actor asks for a fraction of
-its bundle. On CPU a "device" is one CPU; on GPU, one GPU plus a CPU.
+One loop in the driver, over futures. Prompt groups start on the rollout workers as admission
+control allows (rl.admission: a step's samples are at most `max_staleness` versions old) and
+stream back one group at a time; each finished group is scored, and the trainer computes its
+proximal/reference log-probs and values while the long tail still generates. A step trains
+once all its groups are in; then the new weights are synced, after generations in flight
+have finished under the old weights (partial_rollout="finish") or been aborted, to resume under
+the new ones with their prefix kept ("abort"). With max_staleness = 0 this is the synchronous
+loop: generate, score, train, sync.
+
+The workers are reached through three small ports, so tests drive the same loop with fakes.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Protocol
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+import torch
 
+from rl.admission import Admission
+from rl.algorithms import dynamic_sampling_keep
 from rl.config import Config
-from rl.placement import PlacementPlan, plan_placement
+from rl.trace import Trace
+from rl.types import Sample, SamplingParams, fresh_samples
+
+
+class RolloutPort(Protocol):
+    num_workers: int
+
+    def submit(
+        self, batches: dict[int, list[Sample]], params: SamplingParams
+    ) -> dict[int, tuple[int, Future]]: ...
+
+    def interrupt(self) -> int: ...
+
+
+class TrainerPort(Protocol):
+    needs_annotation: bool  # proximal/reference log-probs or values are computed before training
+
+    def annotate(self, samples: list[Sample]) -> Future: ...
+
+    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
+
+    def push(self, version: int) -> dict[str, float]: ...
+
+
+class ScorerPort(Protocol):
+    def score(self, samples: list[Sample], example: dict) -> Future: ...
 
 
 @dataclass
-class Placement:
-    group: PlacementGroup
-    plan: PlacementPlan
-    use_gpu: bool
+class Settings:
+    num_steps: int
+    groups_per_step: int
+    group_size: int
+    max_staleness: int = 0
+    partial_rollout: str = "finish"
+    dynamic_sampling: bool = False
+    max_groups_per_step: int = 0  # 0 = groups_per_step
 
-    def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
-        """`.options(...)` for an actor that shares bundle `bundle_index` with other roles."""
-        share = 1.0 / num_roles_sharing
-        options = {
-            "num_cpus": share,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.group, placement_group_bundle_index=bundle_index
-            ),
-        }
-        if self.use_gpu:
-            options["num_gpus"] = share
-        return options
-
-    def release(self) -> None:
-        remove_placement_group(self.group)
-
-
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it) or start a local one."""
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    ray.init(
-        address=address or None,
-        log_to_driver=True,
-        include_dashboard=False if not address else None,
-    )
-
-
-def colocate(cfg: Config, timeout_s: float = 120.0) -> Placement:
-    """Reserve the bundles of `plan_placement(cfg)`; every role shares them."""
-    use_gpu = bool(ray.cluster_resources().get("GPU", 0))
-    plan = plan_placement(cfg)
-    num_devices = plan.num_devices
-    bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-    group = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        available = ray.available_resources()
-        remove_placement_group(group)
-        raise RuntimeError(
-            f"could not reserve {num_devices} x {bundle} for the placement\n"
-            f"{plan.describe()}\ncluster has {available}"
+    @classmethod
+    def from_config(cfg: type[Settings], config: Config) -> Settings:
+        algo, sched = config.algorithm, config.scheduler
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        return cfg(
+            num_steps=config.run.num_steps,
+            groups_per_step=config.run.prompts_per_step,
+            group_size=algo.group_size,
+            max_staleness=sched.max_staleness,
+            partial_rollout=sched.partial_rollout,
+            dynamic_sampling=algo.dynamic_sampling,
+            max_groups_per_step=rounds * config.run.prompts_per_step,
         )
-    return Placement(group=group, plan=plan, use_gpu=use_gpu)
+
+
+@dataclass
+class Group:
+    """One prompt's G samples, tied to the step that will train on them."""
+
+    group_id: int
+    step: int
+    example: dict
+    samples: list[Sample]
+    scores: list[float] = field(default_factory=list)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    annotated: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings,
+        sampling: SamplingParams,
+        rollout: RolloutPort,
+        trainer: TrainerPort,
+        scorer: ScorerPort,
+        next_prompt: Callable[[], tuple[dict, list[int]]],
+        trace: Trace,
+        on_version: Callable[[int], dict[str, float]] = lambda version: {},
+    ) -> None:
+        """`next_prompt()` gives the next (example, prompt ids); `on_version(v)` runs once
+        the rollout serves version v, with nothing generating (held-out evaluation), and
+        returns metrics for step v."""
+        self.settings = settings
+        self.sampling = sampling
+        self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
+        self.next_prompt = next_prompt
+        self.trace = trace
+        self.on_version = on_version
+        self.admission = Admission(
+            settings.num_steps,
+            settings.groups_per_step,
+            settings.max_staleness,
+            settings.max_groups_per_step or settings.groups_per_step,
+        )
+        self.trainer_version = 0  # the trainer's weights: steps trained
+        self.rollout_version = 0  # the weights the rollout workers serve
+        self._num_groups = 0
+        self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
+        self._finished: dict[int, list[Group]] = {}  # step -> scored groups, kept or not
+        self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
+        self._partial: list[Group] = []  # groups with samples aborted by a sync
+        self._interrupted = False
+        self._step_metrics: dict[int, dict[str, float]] = {}
+        self._last_step_end = time.perf_counter()
+
+    def run(self) -> Iterator[tuple[int, dict[str, float]]]:
+        """Train every step; yields (step, metrics) as each step's weights reach the rollout."""
+        while self.rollout_version < self.settings.num_steps:
+            yield from self._sync_if_due()
+            if not self._sync_pending():
+                self._admit()
+            self._feed_trainer()
+            if self.rollout_version == self.settings.num_steps:
+                break
+            assert self._pending, "scheduler stalled: nothing in flight and nothing to start"
+            done, _ = wait(list(self._pending), return_when=FIRST_COMPLETED)
+            for future in done:
+                self._complete(future)
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        groups = []
+        while (step := self.admission.next_step(self.rollout_version)) is not None:
+            example, prompt_ids = self.next_prompt()
+            group_id, self._num_groups = self._num_groups, self._num_groups + 1
+            samples = fresh_samples([prompt_ids], self.settings.group_size, [group_id])
+            self.admission.start(step, self.rollout_version)
+            groups.append(Group(group_id, step, example, samples))
+        self._generate(groups, partial_only=False)
+
+    def _generate(self, groups: list[Group], partial_only: bool) -> None:
+        """Start `groups` in one submission (all their samples, or only the aborted ones)."""
+        if not groups:
+            return
+        batches = {
+            group.group_id: [s for s in group.samples if s.is_partial or not partial_only]
+            for group in groups
+        }
+        handles = self.rollout.submit(batches, self.sampling)
+        for group in groups:
+            worker, future = handles[group.group_id]
+            self.trace.begin(f"rollout-{worker}", "generate", group.step)
+            self._pending[future] = ("generate", group, worker)
+
+    def _generated(self, group: Group, worker: int, samples: list[Sample]) -> None:
+        self.trace.end(f"rollout-{worker}", "generate")
+        by_index = {sample.index: sample for sample in samples}
+        group.samples = [by_index.get(sample.index, sample) for sample in group.samples]
+        if any(sample.is_partial for sample in group.samples):
+            if self._interrupted:  # resumed under the new weights, after the sync
+                self._partial.append(group)
+            else:
+                self._generate([group], partial_only=True)
+            return
+        self.trace.begin("reward", "reward", group.step)
+        self._pending[self.scorer.score(group.samples, group.example)] = ("score", group)
+
+    def _scored(self, group: Group, result: tuple[list[float], dict[str, float]]) -> None:
+        self.trace.end("reward", "reward")
+        group.scores, group.reward_metrics = result
+        keep = True
+        if self.settings.dynamic_sampling:
+            scores = torch.tensor(group.scores)
+            keep = bool(dynamic_sampling_keep(scores, self.settings.group_size)[0])
+        self.admission.finish(group.step, keep)
+        self._finished.setdefault(group.step, []).append(group)
+        if keep:
+            self._kept.setdefault(group.step, []).append(group)
+
+    def _generating(self) -> bool:
+        return any(kind == "generate" for kind, *_ in self._pending.values())
+
+    # -- training -----------------------------------------------------------------------
+
+    def _trainer_busy(self) -> bool:
+        return any(kind in ("annotate", "train") for kind, *_ in self._pending.values())
+
+    def _feed_trainer(self) -> None:
+        if self._trainer_busy():
+            return
+        step = self.trainer_version + 1
+        if step > self.settings.num_steps:
+            return
+        kept = self._kept.get(step, [])
+        if self.trainer.needs_annotation:
+            # Only at version step - 1 (now): these are the proximal policy's log-probs.
+            todo = [group for group in kept if not group.annotated]
+            if todo:
+                self.trace.begin("trainer", "logprobs", step)
+                samples = [sample for group in todo for sample in group.samples]
+                self._pending[self.trainer.annotate(samples)] = ("annotate", todo)
+                return
+        if self._sync_pending() or not self.admission.is_complete(step):
+            return
+        samples = [sample for group in kept for sample in group.samples]
+        scores = [score for group in kept for score in group.scores]
+        self.trace.begin("trainer", "train", step)
+        self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
+
+    def _annotated(self, groups: list[Group], samples: list[Sample]) -> None:
+        self.trace.end("trainer", "logprobs")
+        for group in groups:
+            group.samples, samples = samples[: len(group.samples)], samples[len(group.samples) :]
+            group.annotated = True
+
+    def _trained(self, step: int, metrics: dict[str, float]) -> None:
+        self.trace.end("trainer", "train")
+        assert step == self.trainer_version + 1
+        self.trainer_version = step
+        self.admission.retire(step)
+        finished = self._finished.pop(step, [])
+        kept = self._kept.pop(step, [])
+        self._step_metrics[step] = {**step_metrics(step, finished, kept), **metrics}
+
+    # -- weight sync --------------------------------------------------------------------
+
+    def _sync_pending(self) -> bool:
+        return self.trainer_version > self.rollout_version and not self._trainer_busy()
+
+    def _sync_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
+        if not self._sync_pending():
+            return
+        if self._generating():
+            if self.settings.partial_rollout == "abort" and not self._interrupted:
+                self.rollout.interrupt()
+                self._interrupted = True
+            return
+        version = self.trainer_version
+        lanes = ["trainer", *(f"rollout-{i}" for i in range(self.rollout.num_workers))]
+        for lane in lanes:
+            self.trace.begin(lane, "sync", version)
+        sync_start = time.perf_counter()
+        metrics = self.trainer.push(version)
+        metrics["time/sync_s"] = time.perf_counter() - sync_start
+        metrics["rollout/version"] = float(version)
+        for lane in lanes:
+            self.trace.end(lane, "sync")
+        self.rollout_version, self._interrupted = version, False
+        metrics.update(self.on_version(version))
+        partial, self._partial = self._partial, []
+        self._generate(partial, partial_only=True)
+        now = time.perf_counter()
+        metrics.update(self._step_metrics.pop(version))
+        metrics.update(self.trace.summary(self._last_step_end, now))
+        metrics["time/step_s"] = now - self._last_step_end
+        self._last_step_end = now
+        yield version, metrics
+
+    def _complete(self, future: Future) -> None:
+        kind, *payload = self._pending.pop(future)
+        result = future.result()
+        if kind == "generate":
+            self._generated(*payload, result)
+        elif kind == "score":
+            self._scored(*payload, result)
+        elif kind == "annotate":
+            self._annotated(*payload, result)
+        else:
+            self._trained(*payload, result)
+
+
+def step_metrics(step: int, finished: list[Group], kept: list[Group]) -> dict[str, float]:
+    """What step `step` generated (every scored group) and trains on (the kept ones)."""
+    samples = [sample for group in kept for sample in group.samples]
+    num_samples = max(len(samples), 1)
+    scores = torch.tensor([score for group in finished for score in group.scores])
+    metrics = {
+        "rollout/generated_groups": float(len(finished)),
+        "rollout/kept_groups": float(len(kept)),
+        "response/mean_tokens": sum(len(s.response_ids) for s in samples) / num_samples,
+        "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
+        "rollout/staleness_mean": sum(step - 1 - s.policy_version for s in samples) / num_samples,
+        "rollout/staleness_max": float(
+            max((step - 1 - s.policy_version for s in samples), default=0)
+        ),
+        "rollout/resumed_samples": sum(len(set(s.token_versions)) > 1 for s in samples)
+        / num_samples,
+    }
+    if finished:
+        solved = [max(group.scores) > 0 for group in finished]
+        metrics["reward/mean"] = scores.mean().item()
+        metrics["reward/solved_groups"] = sum(solved) / len(solved)
+        for key in finished[0].reward_metrics:
+            values = [group.reward_metrics[key] for group in finished]
+            # Counts (errors, timeouts) add up over groups; means average (groups are equal size).
+            is_count = key.endswith(("errors", "timeouts"))
+            metrics[key] = sum(values) if is_count else sum(values) / len(values)
+    return metrics

@@ -7,8 +7,8 @@ from pathlib import Path
 import ray
 import torch
 
+from rl.cluster import Placement
 from rl.config import Config
-from rl.scheduler import Placement
 from rl.types import Batch
 from trainer.worker import create_train_group
 
@@ -20,6 +20,7 @@ class TrainGroup:
         self.workers = create_train_group(
             cfg,
             placement.group,
+            bundle_indices=placement.plan.roles["trainer"],
             num_cpus=share,
             num_gpus=share if placement.use_gpu else 0.0,
         )

@@ -20,20 +20,49 @@ class SamplingParams:
 
 @dataclass
 class Sample:
-    """One generated response to one prompt.
+    """One response to one prompt, generated or being generated.
 
     `logprobs[i]` is the behaviour policy's log-probability of `response_ids[i]` (at the
-    sampling temperature), so len(logprobs) == len(response_ids).
+    sampling temperature) and `token_versions[i]` the policy version that sampled it, so the
+    three lists have one entry per response token. A generation interrupted by a weight sync
+    is a partial sample (finish_reason "abort"); resumed, it keeps its prefix and its new
+    tokens carry the newer version, so the off-policy correction stays exact per token.
     """
 
     prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    policy_version: int
-    group_id: int = -1
-    reward: float = 0.0
+    group_id: int  # the prompt's id: samples of one prompt share it (unique within a run)
+    index: int = 0  # position within its group, 0 .. n-1
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" (EOS or stop string), "length", or "abort" (partial)
     response_text: str = ""
+    # Filled by the trainer side before training (see rl.experience): the proximal policy's
+    # and the frozen reference's log-probs and the critic's values, one per response token.
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    values: list[float] | None = None
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among its tokens (what the staleness bound limits)."""
+        assert self.token_versions, "a sample without tokens has no policy version"
+        return min(self.token_versions)
+
+    @property
+    def is_partial(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+def fresh_samples(prompts: list[list[int]], n: int, group_ids: list[int]) -> list[Sample]:
+    """n empty samples per prompt, ordered prompt by prompt, ready to generate."""
+    if len(group_ids) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
+    return [
+        Sample(prompt_ids=list(prompt), group_id=group_id, index=k)
+        for prompt, group_id in zip(prompts, group_ids, strict=True)
+        for k in range(n)
+    ]
 
 
 @dataclass

@@ -7,6 +7,7 @@ of its configuration from the environment when it is imported, so `vllm` is impo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     import vllm
 
 logger = logging.getLogger(__name__)
+
+# A resumed sample draws fresh random numbers: its seed moves on by this per token it has.
+_RESUME_SEED_STRIDE = 1_000_003
 
 
 def _configure_environment() -> int:
@@ -87,6 +91,9 @@ class VLLMEngine:
             **memory,
         )
         self._tokenizer = self._llm.get_tokenizer()
+        self._delta = vllm.sampling_params.RequestOutputKind.DELTA
+        self._request_ids = itertools.count()
+        self._running: dict[str, Sample] = {}
         self.version = 0
         # Set while an update is partly applied: the engine then refuses to serve.
         self._updating_to: int | None = None
@@ -98,71 +105,111 @@ class VLLMEngine:
             num_threads,
         )
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        group_ids: list[int],
-        policy_version: int,
-    ) -> list[Sample]:
-        """`params.n` samples per prompt, flat and ordered prompt by prompt.
+    @property
+    def num_running(self) -> int:
+        """Samples being generated (started and neither finished nor aborted)."""
+        return len(self._running)
 
-        Prompt i samples with seeds params.seed + group_ids[i] * n + k (k < n), so a seeded
-        batch reproduces however prompts are spread over workers. Each sample's `logprobs`
-        are the behaviour log-probs of its response tokens: log softmax(logits / temperature),
-        renormalised over the nucleus when top_p < 1 (greedy: temperature 1).
+    def start(self, samples: list[Sample], params: SamplingParams) -> None:
+        """Queue `samples` (fresh, or partial ones to resume) under the version being served.
+
+        Each sample is one vLLM request whose prompt is its prompt plus the response so far,
+        for the tokens `params.max_new_tokens` still allows. Sample k of group g samples with
+        seed params.seed + g * params.n + k (offset by the prefix length when resuming), so a
+        seeded batch reproduces however prompts are spread over workers. `step` extends the
+        samples in place.
         """
         self._check_serving()
-        if len(group_ids) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
-        if not prompts:
-            return []  # vLLM reads an empty prompt list as one empty prompt
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + params.max_new_tokens > self._cfg.max_model_len:
-            raise ValueError(
-                f"prompt of {longest} tokens + rollout.max_new_tokens={params.max_new_tokens} "
-                f"exceeds rollout.max_model_len={self._cfg.max_model_len}"
-            )
-        outputs = self._llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            [self._sampling_params(params, group_id) for group_id in group_ids],
-            use_tqdm=False,
-        )
-        samples = []
-        for prompt, group_id, output in zip(prompts, group_ids, outputs, strict=True):
-            for completion in output.outputs:
-                response = list(completion.token_ids)
-                samples.append(
-                    Sample(
-                        prompt_ids=list(prompt),
-                        response_ids=response,
-                        logprobs=[
-                            position[token].logprob
-                            for position, token in zip(completion.logprobs, response, strict=True)
-                        ],
-                        finish_reason=completion.finish_reason,
-                        policy_version=policy_version,
-                        group_id=group_id,
-                    )
+        for sample in samples:
+            if sample.finish_reason not in ("", "abort"):
+                raise ValueError(
+                    f"sample {sample.group_id}/{sample.index} already finished "
+                    f"({sample.finish_reason}); only fresh or aborted samples are generated"
                 )
+            remaining = params.max_new_tokens - len(sample.response_ids)
+            if remaining < 1:
+                raise ValueError(
+                    f"sample {sample.group_id}/{sample.index} already has "
+                    f"{len(sample.response_ids)} tokens of max_new_tokens={params.max_new_tokens}"
+                )
+            if len(sample.prompt_ids) + params.max_new_tokens > self._cfg.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(sample.prompt_ids)} tokens + rollout.max_new_tokens="
+                    f"{params.max_new_tokens} exceeds rollout.max_model_len="
+                    f"{self._cfg.max_model_len}"
+                )
+        for sample in samples:
+            request_id = str(next(self._request_ids))
+            self._llm.llm_engine.add_request(
+                request_id,
+                {"prompt_token_ids": sample.prompt_ids + sample.response_ids},
+                self._sampling_params(params, sample),
+            )
+            sample.finish_reason = ""
+            self._running[request_id] = sample
+
+    def step(self) -> list[Sample]:
+        """One engine step: new tokens (with log-probs and this version) are appended to the
+        running samples; returns those that finished in this step."""
+        finished = []
+        for output in self._llm.llm_engine.step():
+            sample = self._running[output.request_id]
+            completion = output.outputs[0]
+            new_ids = list(completion.token_ids)
+            sample.response_ids += new_ids
+            sample.logprobs += [
+                position[token].logprob
+                for position, token in zip(completion.logprobs, new_ids, strict=True)
+            ]
+            sample.token_versions += [self.version] * len(new_ids)
+            if output.finished:
+                sample.finish_reason = completion.finish_reason
+                finished.append(self._running.pop(output.request_id))
+        self._decode(finished)
+        return finished
+
+    def abort(self) -> list[Sample]:
+        """Stop every running sample where it is (finish_reason "abort"); returns them."""
+        request_ids = list(self._running)
+        self._llm.llm_engine.abort_request(request_ids)
+        aborted = [self._running.pop(request_id) for request_id in request_ids]
+        for sample in aborted:
+            sample.finish_reason = "abort"
+        self._decode(aborted)
+        return aborted
+
+    def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Generate `samples` to the end (see `start`); returns them, in order."""
+        self.start(samples, params)
+        while self._running:
+            self.step()
+        return samples
+
+    def _decode(self, samples: list[Sample]) -> None:
+        if not samples:
+            return
         # One batched decode is much cheaper than vLLM's per-token incremental detokenizer.
         texts = self._tokenizer.batch_decode(
             [s.response_ids for s in samples], skip_special_tokens=True
         )
         for sample, text in zip(samples, texts, strict=True):
             sample.response_text = text
-        return samples
 
-    def _sampling_params(self, params: SamplingParams, group_id: int) -> vllm.SamplingParams:
-        seed = None if params.seed is None else params.seed + group_id * params.n
+    def _sampling_params(self, params: SamplingParams, sample: Sample) -> vllm.SamplingParams:
+        seed = None
+        if params.seed is not None:
+            seed = params.seed + sample.group_id * params.n + sample.index
+            seed += _RESUME_SEED_STRIDE * len(sample.response_ids)
         return self._vllm_sampling_params(
-            n=params.n,
+            n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
+            max_tokens=params.max_new_tokens - len(sample.response_ids),
             seed=seed,
             logprobs=0,
             detokenize=False,
+            # Deltas, so an aborted request has handed over every token it made.
+            output_kind=self._delta,
         )
 
     def score(self, sequences: list[list[int]], num_prompt_tokens: list[int]) -> list[list[float]]:
@@ -171,6 +218,8 @@ class VLLMEngine:
         Returns one list per sequence, of length len(sequences[i]) - num_prompt_tokens[i].
         """
         self._check_serving()
+        # LLM.generate steps the whole engine and would swallow running samples' tokens.
+        self._check_idle("scoring")
         if len(num_prompt_tokens) != len(sequences):
             raise ValueError(
                 f"{len(sequences)} sequences but {len(num_prompt_tokens)} prompt lengths"
@@ -200,6 +249,7 @@ class VLLMEngine:
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
         """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
         the busiest TP rank. Until `finish_weight_update` the engine refuses to serve."""
+        self._check_idle("a weight update")
         self._updating_to = version
         return max(self._llm.collective_rpc("tandem_apply_bucket", args=(bucket,)))
 
@@ -221,6 +271,13 @@ class VLLMEngine:
             raise RuntimeError("vLLM could not reset its prefix cache: requests still running")
         self.version, self._updating_to = version, None
         return stats
+
+    def _check_idle(self, what: str) -> None:
+        if self._running:
+            raise RuntimeError(
+                f"{len(self._running)} samples are being generated: finish or abort them "
+                f"before {what}"
+            )
 
     def _check_serving(self) -> None:
         if self._updating_to is not None:

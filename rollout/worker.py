@@ -1,8 +1,10 @@
 """The rollout worker actor: a thin Ray shell around one in-process `VLLMEngine`.
 
-Resources and placement come from the caller (`RolloutWorker.options(num_cpus=...,
-scheduling_strategy=...)`); Ray sets OMP_NUM_THREADS from the CPUs granted, and the
-engine sizes its thread pool from it.
+An async actor: many `generate` calls are in flight at once and one `GenerationLoop` steps the
+engine for all of them; every method runs on the actor's event-loop thread, between engine
+steps. Resources and placement come from the caller (`RolloutWorker.options(num_cpus=...,
+scheduling_strategy=...)`); Ray sets OMP_NUM_THREADS from the CPUs granted, and the engine
+sizes its thread pool from it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ray
 
 from rl.config import RolloutConfig
 from rl.types import Sample, SamplingParams
+from rollout.engine_loop import GenerationLoop
 from rollout.vllm_engine import VLLMEngine
 
 
@@ -19,38 +22,61 @@ class RolloutWorker:
     """One vLLM engine serving one policy version at a time."""
 
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
-        self._engine = VLLMEngine(model_path, cfg, dtype, seed)
+        self._args = (model_path, cfg, dtype, seed)
+        self._loop: GenerationLoop | None = None
 
-    def ready(self) -> float:
-        """Returns once the engine is up: the seconds its startup took."""
+    async def ready(self) -> float:
+        """Starts the engine (on the event-loop thread, where it will run: vLLM binds the
+        starting thread's CPU threads) and returns the seconds its startup took."""
+        if self._loop is None:
+            self._loop = GenerationLoop(VLLMEngine(*self._args))
         return self._engine.startup_seconds
 
-    def node_id(self) -> str:
+    @property
+    def _engine(self) -> VLLMEngine:
+        assert self._loop is not None, "call ready() first"
+        return self._loop.engine
+
+    async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        group_ids: list[int],
-        policy_version: int,
-    ) -> list[Sample]:
-        """`params.n` samples per prompt, ordered prompt by prompt (see VLLMEngine.generate)."""
-        return self._engine.generate(prompts, params, group_ids, policy_version)
+    async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Generate fresh or partial `samples` (see VLLMEngine.start); returns them once each
+        has finished, or been aborted by `interrupt` (then partial, to resume later)."""
+        assert self._loop is not None, "call ready() first"
+        return await self._loop.generate(samples, params)
 
-    def score(self, sequences: list[list[int]], num_prompt_tokens: list[int]) -> list[list[float]]:
+    async def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
+        """Start batches of samples at once, each to be `collect`ed by its key (the driver
+        streams finished groups back one by one, but starts them together)."""
+        assert self._loop is not None, "call ready() first"
+        self._loop.start(batches, params)
+
+    async def collect(self, key: int) -> list[Sample]:
+        """The batch started under `key`, once each sample has finished or been aborted."""
+        assert self._loop is not None, "call ready() first"
+        return await self._loop.collect(key)
+
+    async def interrupt(self) -> int:
+        """Abort every sample being generated; returns how many were."""
+        assert self._loop is not None, "call ready() first"
+        return self._loop.interrupt()
+
+    async def score(
+        self, sequences: list[list[int]], num_prompt_tokens: list[int]
+    ) -> list[list[float]]:
         """Temperature-1 log-probs of each sequence's tokens after its prompt."""
         return self._engine.score(sequences, num_prompt_tokens)
 
-    def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
+    async def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
         self._engine.open_weight_sync(plan_json, channel_spec, first_member)
 
-    def apply_weight_bucket(self, bucket: int, version: int) -> int:
+    async def apply_weight_bucket(self, bucket: int, version: int) -> int:
         return self._engine.apply_weight_bucket(bucket, version)
 
-    def finish_weight_update(self, version: int) -> dict[str, float]:
+    async def finish_weight_update(self, version: int) -> dict[str, float]:
         return self._engine.finish_weight_update(version)
 
-    def version(self) -> int:
+    async def version(self) -> int:
         """The policy version of the weights being served."""
         return self._engine.version

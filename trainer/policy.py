@@ -32,7 +32,7 @@ from trainer.ranks import (
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
-_TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref")
+_TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref", "is_weight")
 
 
 def _kl_in_loss(cfg: AlgorithmConfig) -> bool:
@@ -52,6 +52,9 @@ class PolicyTrainer:
             )
         check_batching(cfg.trainer)
         self.cfg = cfg
+        self._forward_correction = (
+            cfg.off_policy_correction() if cfg.proximal_from_forward() else None
+        )
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(
             rank, world_size, master_addr, master_port, cfg.trainer.num_threads
@@ -123,7 +126,9 @@ class PolicyTrainer:
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
         for micro, _ in self._micro_batches(batch):
             logprob, entropy = self._forward(self.policy, micro)
-            loss, metrics = policy_objective(algo, logprob, entropy, micro, max_len, denominator)
+            loss, metrics = policy_objective(
+                algo, logprob, entropy, micro, max_len, denominator, self._forward_correction
+            )
             (loss * self.world_size).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
@@ -136,6 +141,8 @@ class PolicyTrainer:
         out = {name: (sums[i] / tokens).item() for i, name in enumerate(_TOKEN_METRICS)}
         if not _kl_in_loss(algo):
             del out["kl_ref"]
+        if batch.is_weights is None and self._forward_correction is None:
+            del out["is_weight"]
         out.update(loss=sums[-2].item(), tokens=sums[-1].item())
         return out
 
@@ -156,26 +163,27 @@ class PolicyTrainer:
         start = time.perf_counter()
         totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
         loss_sum = grad_norm_sum = tokens = 0.0
-        steps = 0
+        step_metrics = []
         for _ in range(self.cfg.trainer.num_epochs):
             for rows in mini_batches:
                 metrics = self.accumulate_gradients(batch.select(rows))
+                step_metrics.append(metrics)
                 grad_norm, lr = self._optimizer_step()
                 for name in totals:
                     totals[name] += metrics.get(name, 0.0) * metrics["tokens"]
                 loss_sum += metrics["loss"]
                 grad_norm_sum += grad_norm
                 tokens += metrics["tokens"]
-                steps += 1
         seconds = time.perf_counter() - start
         out = {f"actor/{name}": value / max(tokens, 1.0) for name, value in totals.items()}
-        if not _kl_in_loss(self.cfg.algorithm):
-            del out["actor/kl_ref"]
+        for name in _TOKEN_METRICS:
+            if all(name not in metrics for metrics in step_metrics):
+                del out[f"actor/{name}"]
         real_tokens = batch.attention_mask.sum().item() * self.cfg.trainer.num_epochs
         out.update(
             {
-                "actor/loss": loss_sum / steps,
-                "actor/grad_norm": grad_norm_sum / steps,
+                "actor/loss": loss_sum / len(step_metrics),
+                "actor/grad_norm": grad_norm_sum / len(step_metrics),
                 "actor/lr": lr,
                 "timing/train_step_s": seconds,
                 "timing/train_tokens_per_s": real_tokens / seconds,

@@ -11,9 +11,9 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from rl.cluster import Placement, PlacementPlan
 from rl.config import Config
 from rl.critic_group import CriticGroup
-from rl.scheduler import Placement, PlacementPlan
 from rl.types import Batch
 
 pytestmark = pytest.mark.integration

@@ -111,7 +111,13 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
     for record in records[1:]:
-        for key in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "time/sync_s"):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "reward/mean",
+            "time/sync_s",
+            "time/step_s",
+        ):
             assert record[key] is not None and math.isfinite(record[key]), key
     assert final["rollout/version"] == 2
     assert final["weight_sync/workers_replaced"] == 0
@@ -157,3 +163,44 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
         assert record["off_policy/kept_token_frac"] == 1.0
     assert records[2]["kl/coef"] != records[1]["kl/coef"]  # adaptive
     assert final["rollout/version"] == 2
+
+
+@pytest.mark.parametrize(
+    "max_staleness, placement",
+    [(1, "colocate"), (0, "split"), (1, "split")],
+)
+def test_overlapped_runs_stay_within_their_staleness_bound_and_trace_every_phase(
+    shared_dir: Path, tmp_path: Path, max_staleness: int, placement: str
+) -> None:
+    name = f"k{max_staleness}-{placement}"
+    scheduler = {"max_staleness": max_staleness, "placement": placement}
+    if placement == "split":
+        scheduler["trainer_devices"] = 1  # rollout on bundle 0, both trainer ranks on bundle 1
+    cfg = _config(shared_dir, tmp_path, name, scheduler=scheduler, run={"num_steps": 3})
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    staleness = [r["rollout/staleness_max"] for r in records[1:]]
+    assert max(staleness) == max_staleness  # step 1 is on-policy; later ones use the bound
+    assert final["rollout/version"] == 3
+    if max_staleness:
+        # Truncated IS switched on by itself, its proximal taken from the training forward.
+        assert all(math.isfinite(r["actor/is_weight"]) for r in records[1:])
+        assert final["run/overlap_fraction"] > 0
+    else:
+        assert "actor/is_weight" not in final and final["run/overlap_fraction"] == 0
+
+    trace_path = Path(cfg.run.output_dir) / name / "trace.json"
+    trace = json.loads(trace_path.read_text())
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    phases = {(lanes[e["tid"]], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    for lane, phase in [
+        ("rollout-0", "generate"),
+        ("rollout-0", "eval"),
+        ("rollout-0", "sync"),
+        ("reward", "reward"),
+        ("trainer", "train"),
+        ("trainer", "sync"),
+        ("trainer", "checkpoint"),
+    ]:
+        assert (lane, phase) in phases, (lane, phase)
+    assert 0 < final["run/busy_fraction"] <= 1

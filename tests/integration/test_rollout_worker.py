@@ -14,7 +14,7 @@ from ray.actor import ActorHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rl.config import RolloutConfig
-from rl.types import SamplingParams
+from rl.types import SamplingParams, fresh_samples
 from rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,9 @@ def _score_gap(rollout: Rollout, sequences: list[list[int]], starts: list[int]) 
 def test_generate_returns_n_samples_per_prompt_in_group_order(rollouts: dict[str, Rollout]) -> None:
     rollout = rollouts["untied"]
     params = SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=6, seed=1)
-    samples = ray.get(rollout.worker.generate.remote(PROMPTS, params, [10, 11, 12], 3))
+    samples = ray.get(
+        rollout.worker.generate.remote(fresh_samples(PROMPTS, 4, [10, 11, 12]), params)
+    )
     tokenizer = AutoTokenizer.from_pretrained(rollout.model_dir)
     assert [s.group_id for s in samples] == [10] * 4 + [11] * 4 + [12] * 4
     assert [s.prompt_ids for s in samples] == [p for p in PROMPTS for _ in range(4)]
@@ -86,7 +88,7 @@ def test_generate_returns_n_samples_per_prompt_in_group_order(rollouts: dict[str
             assert len(sample.response_ids) == 6
         else:
             assert sample.response_ids[-1] == tokenizer.eos_token_id
-        assert sample.policy_version == 3
+        assert sample.token_versions == [0] * len(sample.response_ids)
         assert sample.response_text == tokenizer.decode(
             sample.response_ids, skip_special_tokens=True
         )
@@ -99,7 +101,7 @@ def test_behaviour_logprobs_match_transformers_at_temperature(
 ) -> None:
     rollout = rollouts[kind]
     params = SamplingParams(n=2, temperature=TEMPERATURE, max_new_tokens=8, seed=2)
-    samples = ray.get(rollout.worker.generate.remote(PROMPTS, params, [0, 1, 2], 0))
+    samples = ray.get(rollout.worker.generate.remote(fresh_samples(PROMPTS, 2, [0, 1, 2]), params))
     for s in samples:
         expected = _hf_logprobs(
             rollout.hf, s.prompt_ids + s.response_ids, len(s.prompt_ids), TEMPERATURE
@@ -110,12 +112,14 @@ def test_behaviour_logprobs_match_transformers_at_temperature(
 def test_seeded_sampling_reproduces_however_prompts_are_split(rollouts: dict[str, Rollout]) -> None:
     worker = rollouts["untied"].worker
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7)
-    both = ray.get(worker.generate.remote(PROMPTS[:2], params, [0, 1], 0))
-    again = ray.get(worker.generate.remote(PROMPTS[:2], params, [0, 1], 0))
-    second_alone = ray.get(worker.generate.remote(PROMPTS[1:2], params, [1], 0))
+    both = ray.get(worker.generate.remote(fresh_samples(PROMPTS[:2], 3, [0, 1]), params))
+    again = ray.get(worker.generate.remote(fresh_samples(PROMPTS[:2], 3, [0, 1]), params))
+    second_alone = ray.get(worker.generate.remote(fresh_samples(PROMPTS[1:2], 3, [1]), params))
     assert [s.response_ids for s in both] == [s.response_ids for s in again]
     assert [s.response_ids for s in both[3:]] == [s.response_ids for s in second_alone]
-    reseeded = ray.get(worker.generate.remote(PROMPTS[:2], replace(params, seed=8), [0, 1], 0))
+    reseeded = ray.get(
+        worker.generate.remote(fresh_samples(PROMPTS[:2], 3, [0, 1]), replace(params, seed=8))
+    )
     assert [s.response_ids for s in reseeded] != [s.response_ids for s in both]
 
 
@@ -124,8 +128,9 @@ def test_seeded_batch_larger_than_one_prefill_step(rollouts: dict[str, Rollout])
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, 250, (48, 100), generator=generator).tolist()
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=2, seed=3)
-    first = ray.get(rollouts["untied"].worker.generate.remote(prompts, params, list(range(48)), 0))
-    again = ray.get(rollouts["untied"].worker.generate.remote(prompts, params, list(range(48)), 0))
+    worker = rollouts["untied"].worker
+    first = ray.get(worker.generate.remote(fresh_samples(prompts, 2, list(range(48))), params))
+    again = ray.get(worker.generate.remote(fresh_samples(prompts, 2, list(range(48))), params))
     assert len(first) == 96
     assert [s.response_ids for s in first] == [s.response_ids for s in again]
 
@@ -133,7 +138,7 @@ def test_seeded_batch_larger_than_one_prefill_step(rollouts: dict[str, Rollout])
 def test_greedy_matches_transformers_argmax(rollouts: dict[str, Rollout]) -> None:
     rollout = rollouts["tied"]
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=5)
-    samples = ray.get(rollout.worker.generate.remote(PROMPTS, params, [0, 1, 2], 0))
+    samples = ray.get(rollout.worker.generate.remote(fresh_samples(PROMPTS, 1, [0, 1, 2]), params))
     for prompt, sample in zip(PROMPTS, samples, strict=True):
         seq = list(prompt)
         with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +15,11 @@ import pytest
 import ray
 import torch
 
+from rl.cluster import Placement, reserve
 from rl.config import Config
 from rl.rollout_group import RolloutGroup
-from rl.scheduler import Placement, colocate
 from rl.train_group import TrainGroup
-from rl.types import Batch, SamplingParams
+from rl.types import Batch, SamplingParams, fresh_samples
 from rl.weight_sync import WeightSync
 from tests.conftest import build_checkpoint
 
@@ -97,7 +98,7 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
             "trainer": {"num_workers": 2, "lr": 1e-2},
         }
     )
-    placement = colocate(cfg)
+    placement = reserve(cfg)
     sharing = placement.plan.num_roles_sharing
     rollout = RolloutGroup(cfg, placement, sharing)
     trainers = TrainGroup(cfg, placement, sharing)
@@ -228,11 +229,60 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     ray.get(worker.apply_weight_bucket.remote(0, version))
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4)
     with pytest.raises(ray.exceptions.RayTaskError, match="partly applied weight update"):
-        ray.get(worker.generate.remote([[5, 6, 7]], params, [0], served))
+        ray.get(worker.generate.remote(fresh_samples([[5, 6, 7]], 1, [0]), params))
     with pytest.raises(ray.exceptions.RayTaskError, match="partly applied"):
         ray.get(worker.score.remote(SEQUENCES, [1] * len(SEQUENCES)))
     assert ray.get(worker.version.remote()) == served
 
     setup.sync.push(version)  # the next sync succeeds and the worker serves again
     assert max(_gaps(setup)) < 1e-4
-    assert len(ray.get(worker.generate.remote([[5, 6, 7]], params, [0], version))) == 1
+    samples = ray.get(worker.generate.remote(fresh_samples([[5, 6, 7]], 1, [0]), params))
+    assert samples[0].token_versions == [version] * len(samples[0].response_ids)
+
+
+@pytest.mark.parametrize("setup", ["llama-tied-tp1"], indirect=True)
+def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: Setup) -> None:
+    """A partial rollout: interrupted mid-generation by a sync, resumed under the new weights;
+    its prefix stays, each token records the version that sampled it, and each token's
+    behaviour log-prob is that version's."""
+    worker = setup.rollout.workers[0]
+    version = ray.get(worker.version.remote())
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=56, seed=5)
+    for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8):  # until the abort lands mid-generation
+        handles = setup.rollout.submit(
+            {0: fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))}, params
+        )
+        time.sleep(wait_s)
+        setup.rollout.interrupt()
+        samples = handles[0][1].result(timeout=60)
+        partial = [s for s in samples if s.is_partial and s.response_ids]
+        if partial:
+            break
+    assert partial, "no generation was caught mid-way"
+    prefixes = [list(s.response_ids) for s in partial]
+
+    _large_update(setup)
+    setup.sync.push(version + 1)
+    resumed = setup.rollout.submit({0: partial}, params)[0][1].result(timeout=60)
+    scored = ray.get(
+        worker.score.remote([s.prompt_ids + s.response_ids for s in resumed], [3] * len(resumed))
+    )
+    for sample, prefix, new_logprobs in zip(resumed, prefixes, scored, strict=True):
+        n = len(prefix)
+        assert sample.finish_reason in ("stop", "length") and sample.response_ids[:n] == prefix
+        assert len(sample.response_ids) > n
+        assert sample.token_versions == [version] * n + [version + 1] * (
+            len(sample.response_ids) - n
+        )
+        # The resumed tokens' behaviour log-probs are the new weights' (T = 1) ...
+        assert (
+            torch.tensor(sample.logprobs[n:]) - torch.tensor(new_logprobs[n:])
+        ).abs().max() < 1e-4
+    # ... and the prefix's are the old ones', which the large update moved.
+    assert (
+        max(
+            (torch.tensor(s.logprobs[: len(p)]) - torch.tensor(new[: len(p)])).abs().max().item()
+            for s, p, new in zip(resumed, prefixes, scored, strict=True)
+        )
+        > 1e-2
+    )

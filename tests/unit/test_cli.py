@@ -79,7 +79,8 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "algorithm.group_size=1",
         "algorithm.kl_estimator=k4",
         "algorithm.loss_agg=sum",
-        "algorithm.off_policy=token-tis",  # needs recompute_old_logprobs
+        "scheduler.rollout_devices=1",  # sizes the split placement only
+        "scheduler.max_staleness=-1",
         "algorithm.off_policy=is",
         "algorithm.dual_clip=0.5",
         "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef

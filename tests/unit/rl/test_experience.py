@@ -1,7 +1,8 @@
-"""Rollout collection (dynamic sampling, overlong shaping) and batch annotation order.
+"""From samples to a training step: reward shaping, model annotations and the batch's order of
+operations (proximal log-probs, KL penalty, advantages, off-policy weights).
 
-The rollout group, reward scorer and trainer group are replaced by small fakes: what is
-tested is the driver-side logic that decides which samples train and with what tensors.
+The reward scorer and trainer group are small fakes: what is tested is the driver-side logic
+that decides with which tensors each sample trains.
 """
 
 from __future__ import annotations
@@ -9,114 +10,51 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.batching import build_batch
 from rl.config import Config
-from rl.data import PromptStream
-from rl.experience import KLController, annotate_batch, collect_rollouts
-from rl.types import Sample, SamplingParams
+from rl.experience import KLController, StreamingScorer, annotate_samples, prepare_batch
+from rl.types import Sample
 
 GROUP = 2
 
 
-class _Tokenizer:
-    chat_template = None
-    name_or_path = "fake"
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-
-class _Rollout:
-    """Responses of 1..2 tokens whose text is the prompt's answer or a wrong one, in turn."""
-
-    def __init__(self) -> None:
-        self.num_calls = 0
-
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, policy_version: int
-    ) -> list[Sample]:
-        self.num_calls += 1
-        return [
-            Sample(
-                prompt_ids=prompt,
-                response_ids=[7] * (1 + i % 2),
-                logprobs=[-0.5] * (1 + i % 2),
-                finish_reason="stop",
-                policy_version=policy_version,
-                group_id=group,
-                response_text="right" if i % 2 else "wrong",
-            )
-            for group, prompt in enumerate(prompts)
-            for i in range(params.n)
-        ]
-
-
-class _Scorer:
-    """Prompts named 'mixed' get one right answer per group; 'same' prompts score all 0."""
-
-    def score(self, prompts, responses, examples):
-        scores = [
-            float(ex["prompt"] == "mixed" and text == "right")
-            for text, ex in zip(responses, examples, strict=True)
-        ]
-        return torch.tensor(scores), {"reward/errors": 1.0, "reward/task_mean": 0.5}
-
-
-def _config(**algorithm) -> Config:
+def _config(trainer: dict | None = None, scheduler: dict | None = None, **algorithm) -> Config:
     return Config.model_validate(
         {
             "model": {"path": "unused"},
             "rollout": {"max_new_tokens": 4},
             "algorithm": {"group_size": GROUP, **algorithm},
+            "trainer": trainer or {},
+            "scheduler": scheduler or {},
             "run": {"prompts_per_step": 2},
         }
     )
 
 
-def _collect(cfg: Config, prompts: list[str]):
-    stream = PromptStream([{"prompt": p, "answer": "x"} for p in prompts], seed=0)
-    rollout = _Rollout()
-    sampling = SamplingParams(n=GROUP, max_new_tokens=cfg.rollout.max_new_tokens)
-    result = collect_rollouts(cfg, rollout, _Scorer(), stream, _Tokenizer(), sampling, version=3)
-    return result, rollout.num_calls
+def _samples() -> list[Sample]:
+    return [
+        Sample([1, 2], group_id=0, index=0, response_ids=[3, 4], logprobs=[-0.5, -0.5]),
+        Sample([1, 2], group_id=0, index=1, response_ids=[3], logprobs=[-0.5]),
+    ]
 
 
-def test_without_dynamic_sampling_every_group_trains() -> None:
-    rollouts, num_calls = _collect(_config(), ["same", "same", "mixed"])
-    assert num_calls == 1 and len(rollouts.samples) == 2 * GROUP
-    assert rollouts.metrics["rollout/kept_groups"] == 2
-    assert all(s.policy_version == 3 for s in rollouts.samples)
+class _RewardScorer:
+    def score(self, prompts, responses, examples):
+        return torch.zeros(len(responses)), {"reward/errors": 0.0}
 
-
-def test_dynamic_sampling_replaces_groups_without_signal_up_to_the_round_limit() -> None:
-    # Each round draws 2 prompts; only 'mixed' groups are kept.
-    prompts = ["same", "mixed", "same", "same", "mixed", "same"]
-    cfg = _config(dynamic_sampling=True, max_sampling_rounds=3)
-    stream_order = PromptStream([{"prompt": p} for p in prompts], seed=0).next_batch(6)
-    num_mixed = sum(ex["prompt"] == "mixed" for ex in stream_order)
-    rollouts, num_calls = _collect(cfg, prompts)
-    assert num_calls == 3  # never enough: the round limit stops it
-    assert len(rollouts.samples) == num_mixed * GROUP
-    assert rollouts.metrics["rollout/sampling_rounds"] == 3
-    assert rollouts.metrics["rollout/generated_samples"] == 6 * GROUP
-    assert rollouts.metrics["reward/errors"] == 3.0  # counts add up over rounds
-    for group in range(num_mixed):
-        assert sorted(rollouts.scores[group * GROUP : (group + 1) * GROUP]) == [0.0, 1.0]
-
-
-def test_dynamic_sampling_stops_once_the_batch_is_full() -> None:
-    cfg = _config(dynamic_sampling=True, max_sampling_rounds=5)
-    rollouts, num_calls = _collect(cfg, ["mixed"] * 4)
-    assert num_calls == 1 and len(rollouts.samples) == 2 * GROUP
+    def close(self) -> None:
+        pass
 
 
 def test_overlong_shaping_penalises_responses_in_the_buffer() -> None:
     # max_new_tokens 4, buffer 3: 1 token is free, 2 tokens cost 1/3 of the penalty.
     cfg = _config(overlong_buffer=3, overlong_penalty=0.9)
-    rollouts, _ = _collect(cfg, ["same", "same"])
-    lengths = [len(s.response_ids) for s in rollouts.samples]
-    expected = [0.0 if n == 1 else -0.3 for n in lengths]
-    assert rollouts.scores == pytest.approx(expected)
+    scorer = StreamingScorer(cfg, _RewardScorer())
+    try:
+        scores, metrics = scorer.score(_samples(), {"prompt": "p"}).result(timeout=10)
+    finally:
+        scorer.close()
+    assert scores == pytest.approx([-0.3, 0.0])
+    assert metrics == {"reward/errors": 0.0}
 
 
 class _Trainers:
@@ -130,19 +68,20 @@ class _Trainers:
         return (batch.behaviour_logprobs + offset) * batch.loss_mask
 
 
-def _batch():
-    samples = [
-        Sample([1, 2], [3, 4], [-0.5, -0.5], "stop", 0, group_id=0),
-        Sample([1, 2], [3], [-0.5], "stop", 0, group_id=0),
-    ]
-    return build_batch(samples, pad_id=0)
+def test_annotation_fills_each_samples_response_tokens_only() -> None:
+    cfg = _config(recompute_old_logprobs=True, kl_coef=0.1)
+    trainers = _Trainers(shift=1.0)
+    samples = annotate_samples(cfg, _samples(), 0, trainers, None)
+    assert trainers.calls == ["policy", "reference"]
+    assert [s.old_logprobs for s in samples] == [[0.5, 0.5], [0.5]]
+    assert [s.ref_logprobs for s in samples] == [[1.5, 1.5], [1.5]]
+    assert all(s.values is None for s in samples)
 
 
-def test_annotate_recomputes_the_proximal_policy_then_weighs_behaviour_against_it() -> None:
+def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
     cfg = _config(recompute_old_logprobs=True, off_policy="token-tis", is_cap=1.5)
-    batch, trainers = _batch(), _Trainers(shift=1.0)
-    metrics = annotate_batch(cfg, batch, torch.tensor([1.0, 0.0]), trainers, None, None)
-    assert trainers.calls == ["policy"]
+    samples = annotate_samples(cfg, _samples(), 0, _Trainers(shift=1.0), None)
+    batch, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, KLController(cfg.algorithm))
     assert metrics["off_policy/max_abs_logprob_gap"] == pytest.approx(1.0)
     # exp(1) > 1.5: every response token's weight is truncated at the cap.
     assert batch.is_weights[batch.loss_mask.bool()].tolist() == pytest.approx([1.5] * 3)
@@ -153,12 +92,46 @@ def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     cfg = _config(
         kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", kl_target=0.01, advantage="rloo"
     )
-    batch, trainers = _batch(), _Trainers(shift=0.5)
-    controller = KLController(cfg.algorithm)
-    metrics = annotate_batch(cfg, batch, torch.tensor([1.0, 1.0]), trainers, None, controller)
+    trainers = _Trainers(shift=0.5)
+    samples = annotate_samples(cfg, _samples(), 0, trainers, None)
     assert trainers.calls == ["reference"]
-    # k1 = old - ref = 0.5 - 1.0... per token: old is behaviour (-0.5), ref is behaviour + 1.0.
+    controller = KLController(cfg.algorithm)
+    batch, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller)
+    # k1 = old - ref per token: old is behaviour (-0.5), ref is behaviour + 1.0.
     assert metrics["kl/reward_penalty"] == pytest.approx((2 * -1.0 + 1 * -1.0) / 2)
     assert metrics["kl/coef"] == 0.1 and controller.coef != 0.1
     # Equal scores, but the longer response pays more KL: rloo now separates them.
     assert batch.advantages[0, 2].item() != 0.0
+
+
+def test_staleness_switches_on_truncated_importance_sampling() -> None:
+    assert _config().off_policy_correction() == "none"
+    stale = _config(scheduler={"max_staleness": 1})
+    assert stale.off_policy_correction() == "token-tis"
+    assert _config(scheduler={"max_staleness": 1}, off_policy="none").off_policy_correction() == (
+        "none"
+    )
+    # One optimizer step per batch: the training forward is the proximal policy, no extra pass.
+    assert stale.proximal_from_forward() and not stale.recomputes_old_logprobs()
+
+
+@pytest.mark.parametrize(
+    "reason, cfg",
+    [
+        ("two optimizer steps per batch", _config({"num_mini_batches": 2}, off_policy="token-tis")),
+        ("a correction that drops tokens", _config(off_policy="token-mis")),
+        ("KL in the reward", _config(off_policy="seq-tis", kl_coef=0.1, kl_in_reward=True)),
+    ],
+)
+def test_a_separate_pass_recomputes_the_proximal_policy_when_the_forward_cannot(
+    reason: str, cfg: Config
+) -> None:
+    assert not cfg.proximal_from_forward(), reason
+    assert cfg.recomputes_old_logprobs(), reason
+
+
+def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> None:
+    cfg = _config(scheduler={"max_staleness": 1})
+    batch, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
+    assert batch.is_weights is None and "off_policy/weight_mean" not in metrics
+    assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)

@@ -39,3 +39,39 @@ def test_ppo_adds_a_critic_group_and_reward_models_share_bundle_zero(tmp_path) -
     # Bundle 0 holds rollout, trainer rank 0, the critic and two reward models.
     assert plan.num_roles_sharing == 5
     assert "critic: 1 actor(s) on bundles [0]" in plan.describe()
+
+
+def test_split_gives_rollout_and_trainer_disjoint_devices(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    plan = plan_placement(
+        _config(
+            scheduler={"placement": "split", "trainer_devices": 1},
+            trainer={"num_workers": 2},
+            algorithm={"advantage": "gae"},
+            critic={"num_workers": 2},
+            reward={"terms": [{"name": f"model:{tmp_path}"}]},
+        )
+    )
+    assert plan.num_devices == 2
+    assert plan.roles == {
+        "rollout": [0],
+        "trainer": [1, 1],
+        "critic": [1, 1],
+        "reward_model": [1],
+    }
+    assert plan.trace_lanes() == {"rollout-0": [0], "trainer": [1], "reward": [1]}
+    assert plan.describe().startswith("split: 2 devices")
+
+
+def test_split_spreads_tensor_parallel_workers_over_their_devices() -> None:
+    plan = plan_placement(
+        _config(
+            scheduler={"placement": "split", "rollout_devices": 4},
+            rollout={"num_workers": 2, "tensor_parallel_size": 2},
+            trainer={"num_workers": 2},
+        )
+    )
+    assert plan.roles == {"rollout": [0, 2], "trainer": [4, 5]}
+    assert plan.num_devices == 6
+    lanes = plan.trace_lanes()
+    assert lanes["rollout-1"] == [2, 3] and lanes["trainer"] == [4, 5]

@@ -1,0 +1,256 @@
+"""The scheduler's guarantees under many random timings, with fast fake workers.
+
+The fakes run on threads with random millisecond delays, so completions arrive in every
+order the real workers could produce. Each run checks: no trained sample is more than k
+versions old (by its oldest token), no group is lost, duplicated or trained twice, a resumed
+sample keeps its prefix, and the run terminates.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import pytest
+
+from rl.scheduler import Scheduler, Settings
+from rl.trace import Trace
+from rl.types import Sample, SamplingParams
+
+MAX_NEW_TOKENS = 6
+
+
+def _token(sample: Sample, position: int) -> int:
+    """The fake engine's deterministic token: a resumed sample must continue this sequence."""
+    return sample.group_id * 1000 + sample.index * 100 + position
+
+
+def _later(rng: random.Random, max_ms: float, fn) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        time.sleep(rng.uniform(0, max_ms) / 1000)
+        future.set_result(fn())
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+class FakeRollout:
+    """Generates token by token on a thread per call; `interrupt` stops calls in flight."""
+
+    def __init__(self, rng: random.Random, num_workers: int = 2) -> None:
+        self.rng = rng
+        self.num_workers = num_workers
+        self.version = 0
+        self.num_active = 0
+        self.num_interrupts = 0
+        self.aborted_prefixes: dict[tuple[int, int], list[int]] = {}
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+
+    def submit(
+        self, batches: dict[int, list[Sample]], params: SamplingParams
+    ) -> dict[int, tuple[int, Future]]:
+        return {key: self._submit(samples) for key, samples in batches.items()}
+
+    def _submit(self, samples: list[Sample]) -> tuple[int, Future]:
+        future: Future = Future()
+        for sample in samples:  # as the engine does: an aborted sample resumes
+            assert sample.finish_reason in ("", "abort")
+            sample.finish_reason = ""
+        with self._lock:
+            self.num_active += 1
+        delays = [self.rng.uniform(0, 1.5) / 1000 for _ in range(MAX_NEW_TOKENS)]
+        lengths = [self.rng.randint(1, MAX_NEW_TOKENS) for _ in samples]
+        threading.Thread(
+            target=self._generate, args=(samples, lengths, delays, future), daemon=True
+        ).start()
+        return self.rng.randrange(self.num_workers), future
+
+    def _generate(self, samples, lengths, delays, future: Future) -> None:
+        for position in range(MAX_NEW_TOKENS):
+            time.sleep(delays[position])
+            for sample, length in zip(samples, lengths, strict=True):
+                if sample.finish_reason or len(sample.response_ids) >= length:
+                    continue
+                if self._interrupted.is_set():
+                    sample.finish_reason = "abort"
+                    self.aborted_prefixes[(sample.group_id, sample.index)] = list(
+                        sample.response_ids
+                    )
+                    continue
+                sample.response_ids.append(_token(sample, len(sample.response_ids)))
+                sample.logprobs.append(-1.0)
+                sample.token_versions.append(self.version)
+        for sample in samples:
+            if not sample.finish_reason:
+                sample.finish_reason = "stop"
+        with self._lock:
+            self.num_active -= 1
+        future.set_result(samples)
+
+    def interrupt(self) -> int:
+        self.num_interrupts += 1
+        self._interrupted.set()
+        return 0
+
+    def serve(self, version: int) -> None:
+        with self._lock:
+            assert self.num_active == 0, "weights changed while samples were generating"
+        self._interrupted.clear()
+        self.version = version
+
+
+@dataclass
+class FakeTrainer:
+    rng: random.Random
+    rollout: FakeRollout
+    needs_annotation: bool
+    trained: dict[int, list[Sample]] = field(default_factory=dict)
+    version: int = 0
+
+    def annotate(self, samples: list[Sample]) -> Future:
+        version = self.version
+
+        def fill() -> list[Sample]:
+            for sample in samples:
+                sample.old_logprobs = [float(version)] * len(sample.response_ids)
+            return samples
+
+        return _later(self.rng, 2, fill)
+
+    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        assert step == self.version + 1
+        assert len(scores) == len(samples)
+        if self.needs_annotation:
+            # The proximal log-probs come from the weights right before this step.
+            assert all(s.old_logprobs == [float(step - 1)] * len(s.response_ids) for s in samples)
+
+        def step_done() -> dict[str, float]:
+            self.trained[step] = samples
+            self.version = step
+            return {"train/loss": 0.0}
+
+        return _later(self.rng, 3, step_done)
+
+    def push(self, version: int) -> dict[str, float]:
+        assert version == self.version
+        self.rollout.serve(version)
+        return {"sync/s": 0.0}
+
+
+class FakeScorer:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def score(self, samples: list[Sample], example: dict) -> Future:
+        scores = [float(self.rng.random() < 0.5) for _ in samples]
+        return _later(self.rng, 1, lambda: (scores, {"reward/task_mean": 0.5}))
+
+
+def _run(seed: int, k: int, partial: str, dynamic: bool, annotate: bool):
+    rng = random.Random(seed)
+    settings = Settings(
+        num_steps=5,
+        groups_per_step=3,
+        group_size=2,
+        max_staleness=k,
+        partial_rollout=partial,
+        dynamic_sampling=dynamic,
+        max_groups_per_step=6 if dynamic else 3,
+    )
+    rollout = FakeRollout(rng)
+    trainer = FakeTrainer(rng, rollout, needs_annotation=annotate)
+    prompts = iter(range(10_000))
+
+    def next_prompt():
+        index = next(prompts)
+        return {"prompt": str(index)}, [index % 50 + 1]
+
+    trace = Trace({"rollout-0": [0], "rollout-1": [0], "trainer": [0], "reward": []})
+    scheduler = Scheduler(
+        settings,
+        SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS),
+        rollout,
+        trainer,
+        FakeScorer(rng),
+        next_prompt,
+        trace,
+        on_version=lambda version: {"eval/version": float(version)},
+    )
+    logged: list[tuple[int, dict]] = []
+    runner = threading.Thread(target=lambda: logged.extend(scheduler.run()), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the scheduler did not terminate"
+    return scheduler, rollout, trainer, logged
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("partial", ["finish", "abort"])
+def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
+    k: int, partial: str
+) -> None:
+    for seed in range(12):
+        dynamic, annotate = seed % 2 == 1, seed % 3 != 0
+        scheduler, rollout, trainer, logged = _run(seed, k, partial, dynamic, annotate)
+        assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+        assert all(m["eval/version"] == step for step, m in logged)
+        seen: set[tuple[int, int]] = set()
+        for step, samples in trainer.trained.items():
+            for sample in samples:
+                assert step - 1 - sample.policy_version <= k
+                assert sample.token_versions == sorted(sample.token_versions)
+                key = (sample.group_id, sample.index)
+                assert key not in seen, f"sample {key} trained twice"
+                seen.add(key)
+                expected = [_token(sample, p) for p in range(len(sample.response_ids))]
+                assert sample.response_ids == expected, "a resumed sample lost its prefix"
+                prefix = rollout.aborted_prefixes.get(key)
+                if prefix is not None:
+                    assert sample.response_ids[: len(prefix)] == prefix
+        for step, metrics in logged:
+            kept = int(metrics["rollout/kept_groups"])
+            assert len(trainer.trained.get(step, [])) == kept * 2
+            assert metrics["rollout/staleness_max"] <= k
+            if not dynamic:
+                assert kept == 3 and metrics["rollout/generated_groups"] == 3
+        # No group lost or duplicated: every group started went to exactly one step.
+        started = sum(int(m["rollout/generated_groups"]) for _, m in logged)
+        assert started == scheduler._num_groups
+        if partial == "finish":
+            assert rollout.num_interrupts == 0
+
+
+def _overlap(scheduler: Scheduler) -> float:
+    return scheduler.trace.summary(0.0, time.perf_counter()).get("perf/overlap_fraction", 0.0)
+
+
+def test_on_policy_never_trains_while_generating() -> None:
+    scheduler, _, _, logged = _run(seed=3, k=0, partial="finish", dynamic=False, annotate=False)
+    assert all(m["rollout/staleness_max"] == 0 for _, m in logged)
+    assert _overlap(scheduler) == 0.0
+
+
+def test_log_probs_of_finished_groups_stream_while_the_tail_generates() -> None:
+    # On-policy, the only overlap possible is the trainer's log-probs of groups already done.
+    runs = [_run(seed, k=0, partial="finish", dynamic=False, annotate=True) for seed in range(6)]
+    assert max(_overlap(scheduler) for scheduler, *_ in runs) > 0.0
+
+
+def test_staleness_one_generates_the_next_step_while_training() -> None:
+    runs = [_run(seed, k=1, partial="finish", dynamic=False, annotate=False) for seed in range(4)]
+    assert max(_overlap(scheduler) for scheduler, *_ in runs) > 0.0
+
+
+def test_abort_resumes_interrupted_samples_with_newer_tokens() -> None:
+    resumed = 0
+    for seed in range(20):
+        _, rollout, trainer, _ = _run(seed, k=2, partial="abort", dynamic=False, annotate=False)
+        for samples in trainer.trained.values():
+            resumed += sum(len(set(s.token_versions)) > 1 for s in samples)
+    assert resumed > 0, "no run interrupted a generation: the abort path went untested"
