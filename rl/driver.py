@@ -90,7 +90,7 @@ def train(cfg: Config) -> dict[str, float]:
         seed=cfg.run.seed * 100_003,  # group ids are unique in a run, so every sample differs
     )
     scheduler = Scheduler(
-        Settings.from_config(cfg),
+        Settings.from_config(cfg, placement.use_gpu),
         sampling,
         rollout,
         trainer_side,

@@ -39,22 +39,28 @@ class StreamingScorer:
         self.scorer = scorer
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
-    def score(self, samples: list[Sample], example: dict) -> Future:
-        """Future of (scores, metrics) for one group's `samples`, all answering `example`."""
-        return self._thread.submit(self._score, samples, example)
+    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
+        """Future of (scores per group, metrics) for (samples, example) pairs, each group's
+        samples answering its example; one call to the reward functions for them all."""
+        return self._thread.submit(self._score, groups)
 
-    def _score(self, samples: list[Sample], example: dict) -> tuple[list[float], dict[str, float]]:
+    def _score(
+        self, groups: list[tuple[list[Sample], dict]]
+    ) -> tuple[list[list[float]], dict[str, float]]:
         algo = self.cfg.algorithm
+        samples = [sample for group, _ in groups for sample in group]
+        examples = [example for group, example in groups for _ in group]
         scores, metrics = self.scorer.score(
-            [example["prompt"]] * len(samples),
-            [s.response_text for s in samples],
-            [example] * len(samples),
+            [example["prompt"] for example in examples],
+            [sample.response_text for sample in samples],
+            examples,
         )
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         scores = scores + overlong_penalty(
             lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
         )
-        return scores.tolist(), metrics
+        per_group = scores.split([len(group) for group, _ in groups])
+        return [group.tolist() for group in per_group], metrics
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

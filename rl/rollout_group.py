@@ -22,7 +22,10 @@ class RolloutGroup:
             for index in range(cfg.rollout.num_workers)
         ]
         self.workers = [self._start(index) for index in range(cfg.rollout.num_workers)]
-        self._in_flight: list[list[tuple[Future, int]]] = [[] for _ in self.workers]
+        # Samples in flight per worker, and the worker of each batch in flight.
+        self._num_in_flight = [0] * len(self.workers)
+        self._worker_of: dict[int, int] = {}
+        self._polls: list[Future] = []
         ray.get([worker.ready.remote() for worker in self.workers])
 
     def _start(self, index: int) -> ActorHandle:
@@ -43,35 +46,44 @@ class RolloutGroup:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def submit(
-        self, batches: dict[int, list[Sample]], params: SamplingParams
-    ) -> dict[int, tuple[int, Future]]:
+    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
         """Start each batch of samples (fresh or partial; keys unique among those in flight)
-        on the worker with the fewest samples in flight. Returns, per key, the worker's index
-        and a future of the batch's samples, finished or aborted by `interrupt`."""
-        for calls in self._in_flight:
-            calls[:] = [(future, n) for future, n in calls if not future.done()]
-        load = [sum(n for _, n in calls) for calls in self._in_flight]
+        on the worker with the fewest samples in flight, one call per worker; returns each
+        key's worker. `poll(worker)` hands the batches back as they finish."""
+        # Count finished batches here, on the caller's thread, not in Ray's callbacks.
+        for future in [f for f in self._polls if f.done()]:
+            self._polls.remove(future)
+            if future.exception() is None:
+                for key, samples in future.result().items():
+                    self._num_in_flight[self._worker_of.pop(key)] -= len(samples)
         per_worker: list[dict[int, list[Sample]]] = [{} for _ in self.workers]
         for key, samples in batches.items():
-            index = min(range(len(self.workers)), key=lambda i: (load[i], i))
+            index = min(range(len(self.workers)), key=lambda i: (self._num_in_flight[i], i))
             per_worker[index][key] = samples
-            load[index] += len(samples)
-        handles = {}
-        for index, worker_batches in enumerate(per_worker):
-            if not worker_batches:
-                continue
-            worker = self.workers[index]
-            worker.start.remote(worker_batches, params)
-            for key, samples in worker_batches.items():
-                future = worker.collect.remote(key).future()
-                self._in_flight[index].append((future, len(samples)))
-                handles[key] = (index, future)
-        return handles
+            self._num_in_flight[index] += len(samples)
+            self._worker_of[key] = index
+        for worker, worker_batches in zip(self.workers, per_worker, strict=True):
+            if worker_batches:
+                worker.start.remote(worker_batches, params)
+        return {key: self._worker_of[key] for key in batches}
+
+    def poll(self, index: int) -> Future:
+        """Future of {key: samples} of the batches worker `index` finished since its last
+        poll (at least one)."""
+        future = self.workers[index].poll.remote().future()
+        self._polls.append(future)
+        return future
 
     def interrupt(self) -> int:
         """Abort everything being generated (the futures then return partial samples)."""
         return sum(ray.get([worker.interrupt.remote() for worker in self.workers]))
+
+    def release_memory(self) -> None:
+        """Every engine frees its device memory for a colocated trainer (no-op on CPU)."""
+        ray.get([worker.release_memory.remote() for worker in self.workers])
+
+    def reclaim_memory(self) -> None:
+        ray.get([worker.reclaim_memory.remote() for worker in self.workers])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         """params.n samples per prompt, ordered prompt by prompt; group_id = prompt index.

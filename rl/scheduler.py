@@ -32,11 +32,18 @@ from rl.types import Sample, SamplingParams, fresh_samples
 class RolloutPort(Protocol):
     num_workers: int
 
-    def submit(
-        self, batches: dict[int, list[Sample]], params: SamplingParams
-    ) -> dict[int, tuple[int, Future]]: ...
+    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
+        """Start batches of samples under their keys; returns each key's worker."""
+
+    def poll(self, worker: int) -> Future:
+        """Future of {key: samples} of every batch `worker` finished (or aborted) since its
+        last poll, once there is at least one."""
 
     def interrupt(self) -> int: ...
+
+    def release_memory(self) -> None: ...
+
+    def reclaim_memory(self) -> None: ...
 
 
 class TrainerPort(Protocol):
@@ -50,7 +57,8 @@ class TrainerPort(Protocol):
 
 
 class ScorerPort(Protocol):
-    def score(self, samples: list[Sample], example: dict) -> Future: ...
+    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
+        """Future of (scores per group, metrics of the call) for (samples, example) pairs."""
 
 
 @dataclass
@@ -62,11 +70,14 @@ class Settings:
     partial_rollout: str = "finish"
     dynamic_sampling: bool = False
     max_groups_per_step: int = 0  # 0 = groups_per_step
+    # Colocated on-policy on GPUs: the rollout engines free their memory while training.
+    release_memory: bool = False
 
     @classmethod
-    def from_config(cfg: type[Settings], config: Config) -> Settings:
+    def from_config(cfg: type[Settings], config: Config, use_gpu: bool) -> Settings:
         algo, sched = config.algorithm, config.scheduler
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        time_sliced = sched.placement == "colocate" and sched.max_staleness == 0
         return cfg(
             num_steps=config.run.num_steps,
             groups_per_step=config.run.prompts_per_step,
@@ -75,6 +86,7 @@ class Settings:
             partial_rollout=sched.partial_rollout,
             dynamic_sampling=algo.dynamic_sampling,
             max_groups_per_step=rounds * config.run.prompts_per_step,
+            release_memory=time_sliced and use_gpu,
         )
 
 
@@ -87,7 +99,6 @@ class Group:
     example: dict
     samples: list[Sample]
     scores: list[float] = field(default_factory=list)
-    reward_metrics: dict[str, float] = field(default_factory=dict)
     annotated: bool = False
 
 
@@ -122,7 +133,12 @@ class Scheduler:
         self.rollout_version = 0  # the weights the rollout workers serve
         self._num_groups = 0
         self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
+        # Per rollout worker: group id -> group generating there; and workers being polled.
+        self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
+        self._polled: set[int] = set()
         self._finished: dict[int, list[Group]] = {}  # step -> scored groups, kept or not
+        # step -> (metrics, number of samples) of each scoring call for its groups
+        self._reward_metrics: dict[int, list[tuple[dict[str, float], int]]] = {}
         self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
         self._partial: list[Group] = []  # groups with samples aborted by a sync
         self._interrupted = False
@@ -163,39 +179,63 @@ class Scheduler:
             group.group_id: [s for s in group.samples if s.is_partial or not partial_only]
             for group in groups
         }
-        handles = self.rollout.submit(batches, self.sampling)
+        placed = self.rollout.submit(batches, self.sampling)
         for group in groups:
-            worker, future = handles[group.group_id]
+            worker = placed[group.group_id]
+            self._generating[worker][group.group_id] = group
             self.trace.begin(f"rollout-{worker}", "generate", group.step)
-            self._pending[future] = ("generate", group, worker)
+        self._poll()
 
-    def _generated(self, group: Group, worker: int, samples: list[Sample]) -> None:
-        self.trace.end(f"rollout-{worker}", "generate")
-        by_index = {sample.index: sample for sample in samples}
-        group.samples = [by_index.get(sample.index, sample) for sample in group.samples]
-        if any(sample.is_partial for sample in group.samples):
-            if self._interrupted:  # resumed under the new weights, after the sync
+    def _poll(self) -> None:
+        """One outstanding poll per worker with groups in flight: finished groups come back
+        together when they finish together, one by one along the long tail."""
+        for worker, groups in enumerate(self._generating):
+            if groups and worker not in self._polled:
+                self._polled.add(worker)
+                self._pending[self.rollout.poll(worker)] = ("generate", worker)
+
+    def _generated(self, worker: int, finished: dict[int, list[Sample]]) -> None:
+        self._polled.discard(worker)
+        to_score: dict[int, list[Group]] = {}
+        for group_id, samples in finished.items():
+            group = self._generating[worker].pop(group_id)
+            self.trace.end(f"rollout-{worker}", "generate")
+            by_index = {sample.index: sample for sample in samples}
+            group.samples = [by_index.get(s.index, s) for s in group.samples]
+            if not any(sample.is_partial for sample in group.samples):
+                to_score.setdefault(group.step, []).append(group)
+            elif self._interrupted:  # resumed under the new weights, after the sync
                 self._partial.append(group)
             else:
                 self._generate([group], partial_only=True)
-            return
-        self.trace.begin("reward", "reward", group.step)
-        self._pending[self.scorer.score(group.samples, group.example)] = ("score", group)
+        # One scoring call per step, so each step's reward metrics are exactly its own.
+        for step, groups in to_score.items():
+            self.trace.begin("reward", "reward", step)
+            future = self.scorer.score([(group.samples, group.example) for group in groups])
+            self._pending[future] = ("score", groups)
+        self._poll()
 
-    def _scored(self, group: Group, result: tuple[list[float], dict[str, float]]) -> None:
+    def _scored(
+        self, groups: list[Group], result: tuple[list[list[float]], dict[str, float]]
+    ) -> None:
         self.trace.end("reward", "reward")
-        group.scores, group.reward_metrics = result
-        keep = True
-        if self.settings.dynamic_sampling:
-            scores = torch.tensor(group.scores)
-            keep = bool(dynamic_sampling_keep(scores, self.settings.group_size)[0])
-        self.admission.finish(group.step, keep)
-        self._finished.setdefault(group.step, []).append(group)
-        if keep:
-            self._kept.setdefault(group.step, []).append(group)
+        scores, metrics = result
+        step = groups[0].step
+        num_samples = sum(len(group.samples) for group in groups)
+        self._reward_metrics.setdefault(step, []).append((metrics, num_samples))
+        for group, group_scores in zip(groups, scores, strict=True):
+            group.scores = group_scores
+            keep = True
+            if self.settings.dynamic_sampling:
+                tensor = torch.tensor(group.scores)
+                keep = bool(dynamic_sampling_keep(tensor, self.settings.group_size)[0])
+            self.admission.finish(group.step, keep)
+            self._finished.setdefault(group.step, []).append(group)
+            if keep:
+                self._kept.setdefault(group.step, []).append(group)
 
-    def _generating(self) -> bool:
-        return any(kind == "generate" for kind, *_ in self._pending.values())
+    def _is_generating(self) -> bool:
+        return any(self._generating)
 
     # -- training -----------------------------------------------------------------------
 
@@ -221,6 +261,8 @@ class Scheduler:
             return
         samples = [sample for group in kept for sample in group.samples]
         scores = [score for group in kept for score in group.scores]
+        if self.settings.release_memory and not self._is_generating():
+            self.rollout.release_memory()
         self.trace.begin("trainer", "train", step)
         self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
 
@@ -237,7 +279,11 @@ class Scheduler:
         self.admission.retire(step)
         finished = self._finished.pop(step, [])
         kept = self._kept.pop(step, [])
-        self._step_metrics[step] = {**step_metrics(step, finished, kept), **metrics}
+        reward_metrics = self._reward_metrics.pop(step, [])
+        self._step_metrics[step] = {
+            **step_metrics(step, finished, kept, reward_metrics),
+            **metrics,
+        }
 
     # -- weight sync --------------------------------------------------------------------
 
@@ -247,7 +293,7 @@ class Scheduler:
     def _sync_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
         if not self._sync_pending():
             return
-        if self._generating():
+        if self._is_generating():
             if self.settings.partial_rollout == "abort" and not self._interrupted:
                 self.rollout.interrupt()
                 self._interrupted = True
@@ -257,6 +303,8 @@ class Scheduler:
         for lane in lanes:
             self.trace.begin(lane, "sync", version)
         sync_start = time.perf_counter()
+        if self.settings.release_memory:
+            self.rollout.reclaim_memory()
         metrics = self.trainer.push(version)
         metrics["time/sync_s"] = time.perf_counter() - sync_start
         metrics["rollout/version"] = float(version)
@@ -286,30 +334,36 @@ class Scheduler:
             self._trained(*payload, result)
 
 
-def step_metrics(step: int, finished: list[Group], kept: list[Group]) -> dict[str, float]:
-    """What step `step` generated (every scored group) and trains on (the kept ones)."""
+def step_metrics(
+    step: int,
+    finished: list[Group],
+    kept: list[Group],
+    reward_calls: list[tuple[dict[str, float], int]],
+) -> dict[str, float]:
+    """What step `step` generated (every scored group) and trains on (the kept ones);
+    `reward_calls` are the metrics and sample counts of the scoring calls of its groups."""
     samples = [sample for group in kept for sample in group.samples]
     num_samples = max(len(samples), 1)
-    scores = torch.tensor([score for group in finished for score in group.scores])
+    lags = [step - 1 - s.policy_version for s in samples]
     metrics = {
         "rollout/generated_groups": float(len(finished)),
         "rollout/kept_groups": float(len(kept)),
         "response/mean_tokens": sum(len(s.response_ids) for s in samples) / num_samples,
         "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
-        "rollout/staleness_mean": sum(step - 1 - s.policy_version for s in samples) / num_samples,
-        "rollout/staleness_max": float(
-            max((step - 1 - s.policy_version for s in samples), default=0)
-        ),
+        "rollout/staleness_mean": sum(lags) / num_samples,
+        "rollout/staleness_max": float(max(lags, default=0)),
         "rollout/resumed_samples": sum(len(set(s.token_versions)) > 1 for s in samples)
         / num_samples,
     }
     if finished:
-        solved = [max(group.scores) > 0 for group in finished]
+        scores = torch.tensor([score for group in finished for score in group.scores])
         metrics["reward/mean"] = scores.mean().item()
-        metrics["reward/solved_groups"] = sum(solved) / len(solved)
-        for key in finished[0].reward_metrics:
-            values = [group.reward_metrics[key] for group in finished]
-            # Counts (errors, timeouts) add up over groups; means average (groups are equal size).
-            is_count = key.endswith(("errors", "timeouts"))
-            metrics[key] = sum(values) if is_count else sum(values) / len(values)
+        metrics["reward/solved_groups"] = sum(max(g.scores) > 0 for g in finished) / len(finished)
+    total = sum(n for _, n in reward_calls)
+    for key in reward_calls[0][0] if reward_calls else {}:
+        # Counts (errors, timeouts) add up over calls; means are weighted by their samples.
+        if key.endswith(("errors", "timeouts")):
+            metrics[key] = sum(m[key] for m, _ in reward_calls)
+        else:
+            metrics[key] = sum(m[key] * n for m, n in reward_calls) / total
     return metrics

@@ -8,7 +8,6 @@ thread, between steps, so a weight update or an abort never interleaves with a s
 from __future__ import annotations
 
 import asyncio
-import itertools
 from typing import Protocol
 
 from rl.types import Sample, SamplingParams
@@ -28,69 +27,74 @@ class SteppedEngine(Protocol):
 
 
 class _Call:
-    """Samples started together: `done` resolves with them once none of them is running."""
+    """Samples started together; `done` resolves with them once none of them is running."""
 
-    def __init__(self, samples: list[Sample], done: asyncio.Future[list[Sample]]) -> None:
+    def __init__(self, samples: list[Sample]) -> None:
         self.samples = samples
         self.num_running = len(samples)
-        self.done = done
+        self.done: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
 
 
 class GenerationLoop:
     def __init__(self, engine: SteppedEngine) -> None:
         self.engine = engine
         self._owner: dict[int, _Call] = {}  # id(sample) -> the call it belongs to
-        # key -> the result of the batch started under it, until collected. Ray may run an
-        # async actor's `collect` before the `start` sent ahead of it: whichever comes first
-        # creates the future.
-        self._results: dict[int, asyncio.Future[list[Sample]]] = {}
-        self._keys = itertools.count(-1, -1)  # private keys, never a caller's (>= 0)
+        self._finished: dict[int, list[Sample]] = {}  # key -> samples, until polled
+        self._has_finished = asyncio.Event()
+        self._failure: BaseException | None = None
         self._stepper: asyncio.Task | None = None
 
     def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
-        """Start every batch of samples (fresh or partial) at once, under one key each for
-        `collect`. Many batches in one call fill the engine's first step; added one by one
-        as calls trickle in, they cost extra half-empty steps (measured: 0.1-0.2 s a step)."""
-        try:
-            self.engine.start([s for samples in batches.values() for s in samples], params)
-        except Exception as exc:  # the collects waiting for these keys raise it too
-            for key in batches:
-                self._result(key).set_exception(exc)
-            raise
-        for key, samples in batches.items():
-            call = _Call(samples, self._result(key))
-            assert not call.done.done(), f"batch {key} was already started"
-            for sample in samples:
-                self._owner[id(sample)] = call
-            if not samples:
-                call.done.set_result([])
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.get_running_loop().create_task(self._run())
+        """Start every batch of samples (fresh or partial) at once; `poll` hands each back
+        under its key. Many batches in one call fill the engine's first step; added one by
+        one as calls trickle in, they cost extra half-empty steps."""
+        calls = self._start(list(batches.values()), params)
+        for key, call in zip(batches, calls, strict=True):
+            call.done.add_done_callback(lambda done, key=key: self._finish(key, done))
 
-    async def collect(self, key: int) -> list[Sample]:
-        """The samples started under `key`, once each has finished or been aborted."""
-        try:
-            return await self._result(key)
-        finally:
-            del self._results[key]
-
-    def _result(self, key: int) -> asyncio.Future[list[Sample]]:
-        if key not in self._results:
-            self._results[key] = asyncio.get_running_loop().create_future()
-        return self._results[key]
+    async def poll(self) -> dict[int, list[Sample]]:
+        """{key: samples} of every batch finished (or aborted) since the last poll, once
+        there is at least one: the driver learns of batches that finish together in one
+        message, and of the long tail's one by one."""
+        while not self._finished:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
+            self._has_finished.clear()
+            await self._has_finished.wait()
+        finished, self._finished = self._finished, {}
+        return finished
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
-        """Generate `samples` alongside everything else in flight; returns them in order once
-        each has finished or been aborted by `interrupt`."""
-        key = next(self._keys)
-        self.start({key: samples}, params)
-        return await self.collect(key)
+        """Generate `samples` alongside everything else in flight, outside the polled batches;
+        returns them in order once each has finished or been aborted by `interrupt`."""
+        return await self._start([samples], params)[0].done
 
     def interrupt(self) -> int:
-        """Abort every running sample; their calls return them partial. Returns how many."""
+        """Abort every running sample; their batches come back partial. Returns how many."""
         aborted = self.engine.abort()
         self._settle(aborted)
         return len(aborted)
+
+    def _start(self, batches: list[list[Sample]], params: SamplingParams) -> list[_Call]:
+        self.engine.start([sample for samples in batches for sample in samples], params)
+        calls = [_Call(samples) for samples in batches]
+        for call in calls:
+            for sample in call.samples:
+                self._owner[id(sample)] = call
+            if not call.samples:
+                call.done.set_result([])
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._run())
+        return calls
+
+    def _finish(self, key: int, done: asyncio.Future[list[Sample]]) -> None:
+        if done.exception() is not None:
+            self._failure = done.exception()
+        else:
+            assert key not in self._finished, f"batch {key} finished twice before a poll"
+            self._finished[key] = done.result()
+        self._has_finished.set()
 
     async def _run(self) -> None:
         try:
@@ -98,9 +102,8 @@ class GenerationLoop:
                 self._settle(self.engine.step())
                 # Let other calls in between steps: new work, interrupts, weight updates.
                 await asyncio.sleep(0)
-        except BaseException as exc:
+        except Exception as exc:  # handed to every waiting caller, who raise it
             self._fail(exc)
-            raise
 
     def _settle(self, samples: list[Sample]) -> None:
         for sample in samples:
@@ -109,9 +112,9 @@ class GenerationLoop:
             if not call.num_running:
                 call.done.set_result(call.samples)
 
-    def _fail(self, exc: BaseException) -> None:
-        """An engine step failed: every waiting call raises it rather than hanging."""
-        for call in set(self._owner.values()):
-            if not call.done.done():
-                call.done.set_exception(exc)
+    def _fail(self, exc: Exception) -> None:
+        """An engine step failed: every waiting caller raises it rather than hanging."""
+        for call in {id(call): call for call in self._owner.values()}.values():
+            call.done.set_exception(exc)
         self._owner.clear()
+        self.engine.abort()  # drop what the failed step left running: those calls are over

@@ -71,6 +71,9 @@ class VLLMEngine:
             if current_platform.is_cpu():
                 _bind_tp_ranks_to_cpus(cfg.tensor_parallel_size)
         self._cfg = cfg
+        # vLLM's sleep mode frees accelerator memory; on CPU there is nothing to hand over.
+        self._can_sleep = not current_platform.is_cpu()
+        self._asleep = False
         self._vllm_sampling_params = vllm.SamplingParams
         self._llm = vllm.LLM(
             model=model_path,
@@ -88,6 +91,7 @@ class VLLMEngine:
             enable_chunked_prefill=not current_platform.is_cpu(),
             disable_log_stats=True,
             worker_extension_cls="rollout.weight_receiver.WeightReceiver",
+            enable_sleep_mode=self._can_sleep,
             **memory,
         )
         self._tokenizer = self._llm.get_tokenizer()
@@ -250,6 +254,7 @@ class VLLMEngine:
         """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
         the busiest TP rank. Until `finish_weight_update` the engine refuses to serve."""
         self._check_idle("a weight update")
+        self.reclaim_memory()
         self._updating_to = version
         return max(self._llm.collective_rpc("tandem_apply_bucket", args=(bucket,)))
 
@@ -272,6 +277,21 @@ class VLLMEngine:
         self.version, self._updating_to = version, None
         return stats
 
+    def release_memory(self) -> bool:
+        """Hand the weights' and KV cache's device memory to a colocated trainer (weights go
+        to host memory, the KV cache is dropped); returns whether anything was released."""
+        self._check_idle("releasing memory")
+        if self._can_sleep and not self._asleep:
+            self._llm.sleep(level=1)
+            self._asleep = True
+        return self._asleep
+
+    def reclaim_memory(self) -> None:
+        """Take the memory back (before generating or loading weights again)."""
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
     def _check_idle(self, what: str) -> None:
         if self._running:
             raise RuntimeError(
@@ -280,6 +300,8 @@ class VLLMEngine:
             )
 
     def _check_serving(self) -> None:
+        if self._asleep:
+            raise RuntimeError("this rollout engine released its memory: reclaim it first")
         if self._updating_to is not None:
             raise RuntimeError(
                 f"this rollout engine holds a partly applied weight update (version "

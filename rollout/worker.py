@@ -47,20 +47,27 @@ class RolloutWorker:
         return await self._loop.generate(samples, params)
 
     async def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
-        """Start batches of samples at once, each to be `collect`ed by its key (the driver
-        streams finished groups back one by one, but starts them together)."""
+        """Start batches of samples at once, each handed back under its key by `poll`."""
         assert self._loop is not None, "call ready() first"
         self._loop.start(batches, params)
 
-    async def collect(self, key: int) -> list[Sample]:
-        """The batch started under `key`, once each sample has finished or been aborted."""
+    async def poll(self) -> dict[int, list[Sample]]:
+        """{key: samples} of every batch finished or aborted since the last poll (waits for
+        at least one)."""
         assert self._loop is not None, "call ready() first"
-        return await self._loop.collect(key)
+        return await self._loop.poll()
 
     async def interrupt(self) -> int:
         """Abort every sample being generated; returns how many were."""
         assert self._loop is not None, "call ready() first"
         return self._loop.interrupt()
+
+    async def release_memory(self) -> bool:
+        """Free the engine's device memory while a colocated trainer runs (GPU only)."""
+        return self._engine.release_memory()
+
+    async def reclaim_memory(self) -> None:
+        self._engine.reclaim_memory()
 
     async def score(
         self, sequences: list[list[int]], num_prompt_tokens: list[int]

@@ -50,10 +50,11 @@ def test_overlong_shaping_penalises_responses_in_the_buffer() -> None:
     cfg = _config(overlong_buffer=3, overlong_penalty=0.9)
     scorer = StreamingScorer(cfg, _RewardScorer())
     try:
-        scores, metrics = scorer.score(_samples(), {"prompt": "p"}).result(timeout=10)
+        groups = [(_samples(), {"prompt": "p"}), (_samples()[1:], {"prompt": "q"})]
+        scores, metrics = scorer.score(groups).result(timeout=10)
     finally:
         scorer.close()
-    assert scores == pytest.approx([-0.3, 0.0])
+    assert scores == [pytest.approx([-0.3, 0.0]), pytest.approx([0.0])]
     assert metrics == {"reward/errors": 0.0}
 
 

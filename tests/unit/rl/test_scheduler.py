@@ -48,30 +48,46 @@ class FakeRollout:
         self.version = 0
         self.num_active = 0
         self.num_interrupts = 0
+        self.asleep = False
         self.aborted_prefixes: dict[tuple[int, int], list[int]] = {}
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
+        self._done: list[dict[int, list[Sample]]] = [{} for _ in range(num_workers)]
+        self._polls: dict[int, Future] = {}
 
-    def submit(
-        self, batches: dict[int, list[Sample]], params: SamplingParams
-    ) -> dict[int, tuple[int, Future]]:
-        return {key: self._submit(samples) for key, samples in batches.items()}
+    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
+        assert not self.asleep, "generation started on an engine that released its memory"
+        placed = {}
+        for key, samples in batches.items():
+            worker = placed[key] = self.rng.randrange(self.num_workers)
+            for sample in samples:  # as the engine does: an aborted sample resumes
+                assert sample.finish_reason in ("", "abort")
+                sample.finish_reason = ""
+            with self._lock:
+                self.num_active += 1
+            delays = [self.rng.uniform(0, 1.5) / 1000 for _ in range(MAX_NEW_TOKENS)]
+            lengths = [self.rng.randint(1, MAX_NEW_TOKENS) for _ in samples]
+            threading.Thread(
+                target=self._generate, args=(worker, key, samples, lengths, delays), daemon=True
+            ).start()
+        return placed
 
-    def _submit(self, samples: list[Sample]) -> tuple[int, Future]:
+    def poll(self, worker: int) -> Future:
+        """Resolves with every batch the worker finished since the last poll (at least one)."""
         future: Future = Future()
-        for sample in samples:  # as the engine does: an aborted sample resumes
-            assert sample.finish_reason in ("", "abort")
-            sample.finish_reason = ""
         with self._lock:
-            self.num_active += 1
-        delays = [self.rng.uniform(0, 1.5) / 1000 for _ in range(MAX_NEW_TOKENS)]
-        lengths = [self.rng.randint(1, MAX_NEW_TOKENS) for _ in samples]
-        threading.Thread(
-            target=self._generate, args=(samples, lengths, delays, future), daemon=True
-        ).start()
-        return self.rng.randrange(self.num_workers), future
+            self._polls[worker] = future
+            self._deliver(worker)
+        return future
 
-    def _generate(self, samples, lengths, delays, future: Future) -> None:
+    def _deliver(self, worker: int) -> None:
+        future = self._polls.get(worker)
+        if future is not None and self._done[worker]:
+            finished, self._done[worker] = self._done[worker], {}
+            del self._polls[worker]
+            future.set_result(finished)
+
+    def _generate(self, worker, key, samples, lengths, delays) -> None:
         for position in range(MAX_NEW_TOKENS):
             time.sleep(delays[position])
             for sample, length in zip(samples, lengths, strict=True):
@@ -91,14 +107,24 @@ class FakeRollout:
                 sample.finish_reason = "stop"
         with self._lock:
             self.num_active -= 1
-        future.set_result(samples)
+            self._done[worker][key] = samples
+            self._deliver(worker)
 
     def interrupt(self) -> int:
         self.num_interrupts += 1
         self._interrupted.set()
         return 0
 
+    def release_memory(self) -> None:
+        with self._lock:
+            assert self.num_active == 0, "memory released while samples were generating"
+        self.asleep = True
+
+    def reclaim_memory(self) -> None:
+        self.asleep = False
+
     def serve(self, version: int) -> None:
+        assert not self.asleep, "weights loaded into an engine that released its memory"
         with self._lock:
             assert self.num_active == 0, "weights changed while samples were generating"
         self._interrupted.clear()
@@ -112,6 +138,7 @@ class FakeTrainer:
     needs_annotation: bool
     trained: dict[int, list[Sample]] = field(default_factory=dict)
     version: int = 0
+    rollout_asleep_at_train: list[bool] = field(default_factory=list)
 
     def annotate(self, samples: list[Sample]) -> Future:
         version = self.version
@@ -126,6 +153,7 @@ class FakeTrainer:
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
         assert step == self.version + 1
         assert len(scores) == len(samples)
+        self.rollout_asleep_at_train.append(self.rollout.asleep)
         if self.needs_annotation:
             # The proximal log-probs come from the weights right before this step.
             assert all(s.old_logprobs == [float(step - 1)] * len(s.response_ids) for s in samples)
@@ -147,12 +175,15 @@ class FakeScorer:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def score(self, samples: list[Sample], example: dict) -> Future:
-        scores = [float(self.rng.random() < 0.5) for _ in samples]
-        return _later(self.rng, 1, lambda: (scores, {"reward/task_mean": 0.5}))
+    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
+        scores = [[float(self.rng.random() < 0.5) for _ in samples] for samples, _ in groups]
+        num_samples = sum(len(samples) for samples, _ in groups)
+        return _later(self.rng, 1, lambda: (scores, {"reward/errors": float(num_samples)}))
 
 
-def _run(seed: int, k: int, partial: str, dynamic: bool, annotate: bool):
+def _run(
+    seed: int, k: int, partial: str, dynamic: bool, annotate: bool, release_memory: bool = False
+):
     rng = random.Random(seed)
     settings = Settings(
         num_steps=5,
@@ -162,6 +193,7 @@ def _run(seed: int, k: int, partial: str, dynamic: bool, annotate: bool):
         partial_rollout=partial,
         dynamic_sampling=dynamic,
         max_groups_per_step=6 if dynamic else 3,
+        release_memory=release_memory,
     )
     rollout = FakeRollout(rng)
     trainer = FakeTrainer(rng, rollout, needs_annotation=annotate)
@@ -219,6 +251,8 @@ def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
             assert metrics["rollout/staleness_max"] <= k
             if not dynamic:
                 assert kept == 3 and metrics["rollout/generated_groups"] == 3
+            # Counts add up over scoring calls: every scored sample of the step, once.
+            assert metrics["reward/errors"] == metrics["rollout/generated_groups"] * 2
         # No group lost or duplicated: every group started went to exactly one step.
         started = sum(int(m["rollout/generated_groups"]) for _, m in logged)
         assert started == scheduler._num_groups
@@ -254,3 +288,13 @@ def test_abort_resumes_interrupted_samples_with_newer_tokens() -> None:
         for samples in trainer.trained.values():
             resumed += sum(len(set(s.token_versions)) > 1 for s in samples)
     assert resumed > 0, "no run interrupted a generation: the abort path went untested"
+
+
+def test_time_sliced_engines_release_their_memory_for_every_training_step() -> None:
+    for seed in range(6):
+        _, rollout, trainer, logged = _run(
+            seed, k=0, partial="finish", dynamic=seed % 2 == 1, annotate=True, release_memory=True
+        )
+        assert len(logged) == 5
+        assert trainer.rollout_asleep_at_train == [True] * 5
+        assert not rollout.asleep  # woken for the last sync
