@@ -5,7 +5,7 @@
 Runs `rl train` on the recipe (default: the demo) as a user would, then reads the run's
 metrics.jsonl and the base checkpoint's base_info.json and prints a markdown table for
 docs/benchmarks.md: base build time, total wall time, accuracy before/after, and seconds
-per step split into generate / train / sync.
+per step split into generate / train / sync (busy seconds from the run's trace).
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def main(argv: list[str]) -> None:
         ("held-out greedy accuracy after", f"{evals[-1]['eval/accuracy']:.1%}"),
         ("GRPO steps", str(len(steps))),
         ("median s/step", f"{median('time/step_s'):.2f}"),
-        ("  generate s", f"{median('time/generate_s'):.2f}"),
-        ("  train s", f"{median('time/train_s'):.2f}"),
+        ("  generate s (busy)", f"{median('perf/busy_s_generate'):.2f}"),
+        ("  train s (busy)", f"{median('perf/busy_s_train'):.2f}"),
         ("  weight sync s", f"{median('time/sync_s'):.3f}"),
+        ("median device-pool busy fraction", f"{median('perf/busy_fraction'):.0%}"),
         ("median generated tokens/s", f"{median('perf/gen_tokens_per_s'):.0f}"),
     ]
     print("| metric | value |\n|---|---|")

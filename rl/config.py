@@ -205,10 +205,11 @@ class AlgorithmConfig(_Section):
     kl_horizon: int = Field(10000, description="Adaptive KL controller horizon (samples).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
     off_policy: str = Field(
-        "auto",
+        "none",
         description="Importance-sampling correction from rl.algorithms.OFF_POLICY_CORRECTIONS "
-        "(behaviour log-probs recorded at generation vs the proximal policy); auto = token-tis "
-        "when scheduler.max_staleness > 0, else none.",
+        "(behaviour log-probs recorded at generation vs a recomputed proximal policy). With "
+        "none, PPO's ratio and clip are taken against each token's behaviour log-prob, which "
+        "corrects stale samples (scheduler.max_staleness > 0) by itself.",
     )
     is_cap: float = Field(2.0, description="Truncated IS: weights capped at this C.")
     is_low: float = Field(0.5, description="Masked IS: tokens/sequences with weight below dropped.")
@@ -348,13 +349,6 @@ class Config(_Section):
         """critic.num_workers, where 0 means as many ranks as the policy trainer."""
         return self.critic.num_workers or self.trainer.num_workers
 
-    def off_policy_correction(self) -> str:
-        """algorithm.off_policy with auto resolved: stale samples (max_staleness > 0) get
-        truncated importance sampling against the recomputed proximal policy."""
-        if self.algorithm.off_policy != "auto":
-            return self.algorithm.off_policy
-        return "token-tis" if self.scheduler.max_staleness > 0 else "none"
-
     def proximal_from_forward(self) -> bool:
         """Whether the trainer takes the proximal log-probs from its training forward itself,
         detached, instead of a separate pass over the batch: exact when the batch gets one
@@ -362,7 +356,7 @@ class Config(_Section):
         before training (a KL reward penalty does) and the correction keeps every token."""
         algo, trainer = self.algorithm, self.trainer
         return (
-            self.off_policy_correction() in MASK_KEEPING_CORRECTIONS
+            self.algorithm.off_policy in MASK_KEEPING_CORRECTIONS
             and not algo.recompute_old_logprobs
             and trainer.num_mini_batches == 1
             and trainer.num_epochs == 1
@@ -372,7 +366,7 @@ class Config(_Section):
     def recomputes_old_logprobs(self) -> bool:
         """Whether a separate trainer pass recomputes the proximal log-probs before training
         (asked for, or needed by a correction that the training forward cannot supply)."""
-        correction = self.off_policy_correction()
+        correction = self.algorithm.off_policy
         return self.algorithm.recompute_old_logprobs or (
             correction != "none" and not self.proximal_from_forward()
         )

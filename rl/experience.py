@@ -138,7 +138,7 @@ def prepare_batch(
     )
     metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
 
-    correction = cfg.off_policy_correction()
+    correction = cfg.algorithm.off_policy
     if correction != "none" and not cfg.proximal_from_forward():
         batch.is_weights, batch.loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
             batch.old_logprobs, batch.behaviour_logprobs, mask, algo

@@ -261,7 +261,7 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
         ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
         ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
-        ("algorithm.off_policy", cfg.off_policy_correction(), OFF_POLICY_CORRECTIONS),
+        ("algorithm.off_policy", cfg.algorithm.off_policy, OFF_POLICY_CORRECTIONS),
     ):
         if value not in registry:
             raise ConfigError(
@@ -360,19 +360,16 @@ def dry_run_report(cfg: Config, path: Path | str) -> str:
 
 
 def _describe_overlap(cfg: Config) -> str:
-    """The scheduler's staleness bound and the off-policy correction it implies."""
+    """The scheduler's staleness bound and how stale samples are corrected."""
     k = cfg.scheduler.max_staleness
-    correction = cfg.off_policy_correction()
-    if cfg.algorithm.off_policy == "auto":
-        correction += " (auto)"
-    if cfg.proximal_from_forward():
-        proximal = "taken from the training forward"
-    elif cfg.recomputes_old_logprobs():
-        proximal = "recomputed by a trainer pass"
+    correction = cfg.algorithm.off_policy
+    if correction == "none":
+        how = "PPO ratio and clip against each token's behaviour log-prob"
+    elif cfg.proximal_from_forward():
+        how = f"{correction} against proximal log-probs taken from the training forward"
     else:
-        proximal = "the behaviour log-probs"
+        how = f"{correction} against proximal log-probs recomputed by a trainer pass"
     return (
         f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
-        f"partial_rollout={cfg.scheduler.partial_rollout}; off-policy correction {correction}, "
-        f"proximal log-probs {proximal}"
+        f"partial_rollout={cfg.scheduler.partial_rollout}; off-policy correction: {how}"
     )

@@ -317,6 +317,10 @@ class Scheduler:
         now = time.perf_counter()
         metrics.update(self._step_metrics.pop(version))
         metrics.update(self.trace.summary(self._last_step_end, now))
+        if metrics.get("perf/busy_s_generate"):  # this step's tokens over its generating time
+            metrics["perf/gen_tokens_per_s"] = (
+                metrics["rollout/tokens"] / metrics["perf/busy_s_generate"]
+            )
         metrics["time/step_s"] = now - self._last_step_end
         self._last_step_end = now
         yield version, metrics
@@ -348,6 +352,7 @@ def step_metrics(
     metrics = {
         "rollout/generated_groups": float(len(finished)),
         "rollout/kept_groups": float(len(kept)),
+        "rollout/tokens": float(sum(len(s.response_ids) for s in samples)),
         "response/mean_tokens": sum(len(s.response_ids) for s in samples) / num_samples,
         "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
         "rollout/staleness_mean": sum(lags) / num_samples,

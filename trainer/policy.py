@@ -53,7 +53,7 @@ class PolicyTrainer:
         check_batching(cfg.trainer)
         self.cfg = cfg
         self._forward_correction = (
-            cfg.off_policy_correction() if cfg.proximal_from_forward() else None
+            cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
         )
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(

@@ -105,15 +105,11 @@ def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     assert batch.advantages[0, 2].item() != 0.0
 
 
-def test_staleness_switches_on_truncated_importance_sampling() -> None:
-    assert _config().off_policy_correction() == "none"
-    stale = _config(scheduler={"max_staleness": 1})
-    assert stale.off_policy_correction() == "token-tis"
-    assert _config(scheduler={"max_staleness": 1}, off_policy="none").off_policy_correction() == (
-        "none"
-    )
+def test_a_keep_all_correction_takes_the_proximal_policy_from_the_training_forward() -> None:
+    cfg = _config(off_policy="token-tis")
     # One optimizer step per batch: the training forward is the proximal policy, no extra pass.
-    assert stale.proximal_from_forward() and not stale.recomputes_old_logprobs()
+    assert cfg.proximal_from_forward() and not cfg.recomputes_old_logprobs()
+    assert not _config().recomputes_old_logprobs()  # none: PPO's ratio is against behaviour
 
 
 @pytest.mark.parametrize(
@@ -132,7 +128,7 @@ def test_a_separate_pass_recomputes_the_proximal_policy_when_the_forward_cannot(
 
 
 def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> None:
-    cfg = _config(scheduler={"max_staleness": 1})
+    cfg = _config(scheduler={"max_staleness": 1}, off_policy="token-tis")
     batch, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
     assert batch.is_weights is None and "off_policy/weight_mean" not in metrics
     assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)
