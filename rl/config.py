@@ -356,7 +356,7 @@ class Config(_Section):
         before training (a KL reward penalty does) and the correction keeps every token."""
         algo, trainer = self.algorithm, self.trainer
         return (
-            self.algorithm.off_policy in MASK_KEEPING_CORRECTIONS
+            algo.off_policy in MASK_KEEPING_CORRECTIONS
             and not algo.recompute_old_logprobs
             and trainer.num_mini_batches == 1
             and trainer.num_epochs == 1
@@ -366,7 +366,7 @@ class Config(_Section):
     def recomputes_old_logprobs(self) -> bool:
         """Whether a separate trainer pass recomputes the proximal log-probs before training
         (asked for, or needed by a correction that the training forward cannot supply)."""
-        correction = self.algorithm.off_policy
-        return self.algorithm.recompute_old_logprobs or (
-            correction != "none" and not self.proximal_from_forward()
+        algo = self.algorithm
+        return algo.recompute_old_logprobs or (
+            algo.off_policy != "none" and not self.proximal_from_forward()
         )

@@ -52,9 +52,7 @@ class PolicyTrainer:
             )
         check_batching(cfg.trainer)
         self.cfg = cfg
-        self._forward_correction = (
-            cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
-        )
+        self._forward_correction = cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(
             rank, world_size, master_addr, master_port, cfg.trainer.num_threads

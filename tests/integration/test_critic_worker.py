@@ -64,7 +64,9 @@ def placement():
     ray.get(group.ready())
     try:
         # No critic bundles in the plan: critic rank r goes to bundle r.
-        yield Placement(group=group, plan=PlacementPlan(num_devices=2, roles={}), use_gpu=False)
+        yield Placement(
+            group=group, plan=PlacementPlan(mode="colocate", num_devices=2, roles={}), use_gpu=False
+        )
     finally:
         remove_placement_group(group)
         ray.shutdown()

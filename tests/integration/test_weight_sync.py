@@ -249,12 +249,11 @@ def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: 
     version = ray.get(worker.version.remote())
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=56, seed=5)
     for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8):  # until the abort lands mid-generation
-        handles = setup.rollout.submit(
-            {0: fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))}, params
-        )
+        batch = fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))
+        worker_index = setup.rollout.submit({0: batch}, params)[0]
         time.sleep(wait_s)
         setup.rollout.interrupt()
-        samples = handles[0][1].result(timeout=60)
+        samples = setup.rollout.poll(worker_index).result(timeout=60)[0]
         partial = [s for s in samples if s.is_partial and s.response_ids]
         if partial:
             break
@@ -263,7 +262,8 @@ def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: 
 
     _large_update(setup)
     setup.sync.push(version + 1)
-    resumed = setup.rollout.submit({0: partial}, params)[0][1].result(timeout=60)
+    worker_index = setup.rollout.submit({0: partial}, params)[0]
+    resumed = setup.rollout.poll(worker_index).result(timeout=60)[0]
     scored = ray.get(
         worker.score.remote([s.prompt_ids + s.response_ids for s in resumed], [3] * len(resumed))
     )
