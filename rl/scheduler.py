@@ -74,11 +74,11 @@ class Settings:
     release_memory: bool = False
 
     @classmethod
-    def from_config(cfg: type[Settings], config: Config, use_gpu: bool) -> Settings:
+    def from_config(cls, config: Config, use_gpu: bool) -> Settings:
         algo, sched = config.algorithm, config.scheduler
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
         time_sliced = sched.placement == "colocate" and sched.max_staleness == 0
-        return cfg(
+        return cls(
             num_steps=config.run.num_steps,
             groups_per_step=config.run.prompts_per_step,
             group_size=algo.group_size,
