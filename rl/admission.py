@@ -35,14 +35,16 @@ class Admission:
         groups_per_step: int,
         max_staleness: int,
         max_groups_per_step: int,
+        first_step: int = 1,
     ) -> None:
+        """Steps first_step..num_steps (a resumed run starts after its checkpoint's step)."""
         assert groups_per_step >= 1 and max_staleness >= 0
         assert max_groups_per_step >= groups_per_step
         self.num_steps = num_steps
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.max_groups_per_step = max_groups_per_step
-        self.steps = {step: StepSlots() for step in range(1, num_steps + 1)}
+        self.steps = {step: StepSlots() for step in range(first_step, num_steps + 1)}
 
     def next_step(self, rollout_version: int) -> int | None:
         """The step a group started now under `rollout_version` would be for, or None when no

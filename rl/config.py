@@ -104,6 +104,16 @@ class DataConfig(_Section):
     seed: int = Field(
         1234, description="Seed of the task generator (splits are disjoint and deterministic)."
     )
+    bad_rows: Literal["error", "skip"] = Field(
+        "error",
+        description="Rows of data files with a missing field or an empty prompt: stop with an "
+        "error naming the file and row, or skip them and count them.",
+    )
+    max_prompt_tokens: int = Field(
+        0,
+        description="Drop (and count) prompts longer than this many tokens (0 = "
+        "rollout.max_model_len - rollout.max_new_tokens, what the engine can take).",
+    )
 
 
 class RolloutConfig(_Section):
@@ -333,6 +343,39 @@ class RunConfig(_Section):
     progress_bar: bool = Field(True, description="Show a progress bar on the console.")
 
 
+class CheckpointConfig(_Section):
+    """Checkpoints that continue a run exactly (`rl train RECIPE --resume auto|PATH`)."""
+
+    every: int = Field(
+        0, description="Write a checkpoint every N steps (0 = only at the end and on preemption)."
+    )
+    keep_last: int = Field(2, description="Checkpoints kept in run_dir/checkpoints (>= 1).")
+    save_final: bool = Field(True, description="Write a checkpoint after the last step.")
+
+
+class FaultsConfig(_Section):
+    """How many failures a run absorbs before it stops, loudly."""
+
+    max_trainer_restarts: int = Field(
+        2,
+        description="A trainer or critic rank that dies: rebuild every role from the last "
+        "checkpoint, at most this many times per run.",
+    )
+    max_rollout_restarts: int = Field(
+        3,
+        description="A rollout worker that dies: restart it on the current weights and "
+        "regenerate its prompts, at most this many times per run.",
+    )
+    reward_model_retries: int = Field(
+        2, description="A reward-model actor that dies: restart it and retry a call this often."
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        description="Steps with a NaN/inf loss or gradient are skipped; this many in a row "
+        "stop the run with a checkpoint of the last good state.",
+    )
+
+
 class Config(_Section):
     model: ModelConfig
     base: BaseBuildConfig = BaseBuildConfig()
@@ -343,6 +386,8 @@ class Config(_Section):
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    faults: FaultsConfig = FaultsConfig()
     run: RunConfig = RunConfig()
 
     def critic_world_size(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ray
 import torch
 
@@ -41,6 +43,13 @@ class CriticGroup:
         """Fit the values to batch.returns; critic/* metrics, already reduced over ranks."""
         batch_ref = ray.put(batch)
         return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Every rank writes its shards of the critic and optimizer into `directory`."""
+        ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def load_checkpoint(self, directory: Path) -> None:
+        ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])
 
     def close(self) -> None:
         """Leave the process group and stop the actors (the last call on this object)."""

@@ -110,13 +110,19 @@ class Scheduler:
         rollout: RolloutPort,
         trainer: TrainerPort,
         scorer: ScorerPort,
-        next_prompt: Callable[[], tuple[dict, list[int]]],
+        next_prompt: Callable[[int], tuple[dict, list[int]]],
         trace: Trace,
         on_version: Callable[[int], dict[str, float]] = lambda version: {},
+        start_version: int = 0,
+        first_group_id: int = 0,
     ) -> None:
-        """`next_prompt()` gives the next (example, prompt ids); `on_version(v)` runs once
-        the rollout serves version v, with nothing generating (held-out evaluation), and
-        returns metrics for step v."""
+        """`next_prompt(group_id)` gives the (example, prompt ids) of the next group;
+        `on_version(v)` runs once the rollout serves version v, with nothing generating
+        (held-out evaluation), and returns metrics for step v.
+
+        A resumed run starts at `start_version` (trainer and rollout both serve it) with
+        group ids from `first_group_id`, which seed the groups' sampling: the groups a
+        checkpoint had not trained are drawn again, and sampled again identically."""
         self.settings = settings
         self.sampling = sampling
         self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
@@ -128,10 +134,11 @@ class Scheduler:
             settings.groups_per_step,
             settings.max_staleness,
             settings.max_groups_per_step or settings.groups_per_step,
+            first_step=start_version + 1,
         )
-        self.trainer_version = 0  # the trainer's weights: steps trained
-        self.rollout_version = 0  # the weights the rollout workers serve
-        self._num_groups = 0
+        self.trainer_version = start_version  # the trainer's weights: steps trained
+        self.rollout_version = start_version  # the weights the rollout workers serve
+        self._num_groups = first_group_id
         self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
         # Per rollout worker: group id -> group generating there; and workers being polled.
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
@@ -164,8 +171,8 @@ class Scheduler:
     def _admit(self) -> None:
         groups = []
         while (step := self.admission.next_step(self.rollout_version)) is not None:
-            example, prompt_ids = self.next_prompt()
             group_id, self._num_groups = self._num_groups, self._num_groups + 1
+            example, prompt_ids = self.next_prompt(group_id)
             samples = fresh_samples([prompt_ids], self.settings.group_size, [group_id])
             self.admission.start(step, self.rollout_version)
             groups.append(Group(group_id, step, example, samples))
@@ -233,6 +240,19 @@ class Scheduler:
             self._finished.setdefault(group.step, []).append(group)
             if keep:
                 self._kept.setdefault(group.step, []).append(group)
+
+    def first_untrained_group(self) -> int:
+        """The lowest group id not yet trained on: a checkpoint of the trainer's weights
+        resumes by drawing the prompts again from this group on (generating, scoring,
+        waiting for their step, or not started yet)."""
+        scoring = [payload[0] for kind, *payload in self._pending.values() if kind == "score"]
+        waiting = [
+            *(group for groups in self._generating for group in groups.values()),
+            *(group for groups in scoring for group in groups),
+            *(group for groups in self._finished.values() for group in groups),
+            *self._partial,
+        ]
+        return min((group.group_id for group in waiting), default=self._num_groups)
 
     def _is_generating(self) -> bool:
         return any(self._generating)

@@ -36,6 +36,13 @@ class TrainGroup:
         batch_ref = ray.put(batch)
         return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
 
+    def save_checkpoint(self, directory: Path) -> None:
+        """Every rank writes its shards of the policy and optimizer into `directory`."""
+        ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])
+
+    def load_checkpoint(self, directory: Path) -> None:
+        ray.get([w.load_checkpoint.remote(str(directory)) for w in self.workers])
+
     def export_hf(self, out_dir: Path) -> Path:
         ray.get([w.export_hf.remote(str(out_dir)) for w in self.workers])
         return out_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from rl.algorithms import value_loss
 from rl.config import Config
 from rl.types import Batch
+from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import decoder_layers, shard_with_fsdp
 from trainer.ranks import (
     adamw_with_warmup,
@@ -200,6 +202,14 @@ class ValueTrainer:
             "critic/explained_variance": explained,
             "timing/critic_step_s": time.perf_counter() - start,
         }
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's shards of the critic and its optimizer (collective)."""
+        self.model.reshard()
+        save_training_state(Path(directory), self.rank, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, directory: str) -> None:
+        load_training_state(Path(directory), self.rank, self.model, self.optimizer, self.scheduler)
 
     def close(self) -> None:
         """Leave the process group (the last call on this object)."""

@@ -40,6 +40,12 @@ class CriticWorker:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    def save_checkpoint(self, directory: str) -> None:
+        self.trainer.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.trainer.load_checkpoint(directory)
+
     def close(self) -> None:
         self.trainer.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from rl.config import AlgorithmConfig, Config
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
 from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
+from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded
 from trainer.hf_model import save_hf_atomic
 from trainer.ranks import (
@@ -215,6 +217,20 @@ class PolicyTrainer:
             tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
             save_hf_atomic(self.policy.model, tokenizer, out_dir, state_dict=state)
         dist.barrier()
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's shards of the policy and its optimizer into `directory`
+        (collective; the frozen reference is the model.path checkpoint and is not saved)."""
+        self.policy.reshard()
+        save_training_state(
+            Path(directory), self.rank, self.policy.model, self.optimizer, self.scheduler
+        )
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Continue from what `save_checkpoint` wrote (collective)."""
+        load_training_state(
+            Path(directory), self.rank, self.policy.model, self.optimizer, self.scheduler
+        )
 
     def parameter_checksum(self) -> float:
         """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe."""

@@ -45,6 +45,12 @@ class TrainWorker:
     def export_hf(self, out_dir: str) -> None:
         self.trainer.export_hf(out_dir)
 
+    def save_checkpoint(self, directory: str) -> None:
+        self.trainer.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.trainer.load_checkpoint(directory)
+
     def parameter_checksum(self) -> float:
         return self.trainer.parameter_checksum()
 

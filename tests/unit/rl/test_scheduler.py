@@ -182,7 +182,13 @@ class FakeScorer:
 
 
 def _run(
-    seed: int, k: int, partial: str, dynamic: bool, annotate: bool, release_memory: bool = False
+    seed: int,
+    k: int,
+    partial: str,
+    dynamic: bool,
+    annotate: bool,
+    release_memory: bool = False,
+    start_version: int = 0,
 ):
     rng = random.Random(seed)
     settings = Settings(
@@ -196,12 +202,11 @@ def _run(
         release_memory=release_memory,
     )
     rollout = FakeRollout(rng)
-    trainer = FakeTrainer(rng, rollout, needs_annotation=annotate)
-    prompts = iter(range(10_000))
+    rollout.version = start_version
+    trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
 
-    def next_prompt():
-        index = next(prompts)
-        return {"prompt": str(index)}, [index % 50 + 1]
+    def next_prompt(group_id: int):
+        return {"prompt": str(group_id)}, [group_id % 50 + 1]
 
     trace = Trace({"rollout-0": [0], "rollout-1": [0], "trainer": [0], "reward": []})
     scheduler = Scheduler(
@@ -213,9 +218,18 @@ def _run(
         next_prompt,
         trace,
         on_version=lambda version: {"eval/version": float(version)},
+        start_version=start_version,
+        first_group_id=100 * start_version,
     )
     logged: list[tuple[int, dict]] = []
-    runner = threading.Thread(target=lambda: logged.extend(scheduler.run()), daemon=True)
+
+    def run() -> None:
+        for step, metrics in scheduler.run():
+            # Where a checkpoint taken now would resume drawing prompts.
+            metrics["resume/first_group"] = float(scheduler.first_untrained_group())
+            logged.append((step, metrics))
+
+    runner = threading.Thread(target=run, daemon=True)
     runner.start()
     runner.join(timeout=60)
     assert not runner.is_alive(), "the scheduler did not terminate"
@@ -256,12 +270,34 @@ def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
         # No group lost or duplicated: every group started went to exactly one step.
         started = sum(int(m["rollout/generated_groups"]) for _, m in logged)
         assert started == scheduler._num_groups
+        # A checkpoint after step s resumes at the first group that no step <= s trained.
+        # With dynamic sampling a replacement group for step s can start after step s+1's
+        # first group: resuming draws its prompt once more.
+        trained_at = {
+            s.group_id: step for step, samples in trainer.trained.items() for s in samples
+        }
+        for step, metrics in logged:
+            first = metrics["resume/first_group"]
+            for group, at in trained_at.items():
+                assert group >= first or at <= step
+                assert dynamic or group < first or at > step
         if partial == "finish":
             assert rollout.num_interrupts == 0
 
 
 def _overlap(scheduler: Scheduler) -> float:
     return scheduler.trace.summary(0.0, time.perf_counter()).get("perf/overlap_fraction", 0.0)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_resumed_scheduler_trains_the_remaining_steps_from_its_first_group(k: int) -> None:
+    scheduler, rollout, trainer, logged = _run(
+        seed=5, k=k, partial="abort", dynamic=False, annotate=True, start_version=2
+    )
+    assert [step for step, _ in logged] == [3, 4, 5]
+    group_ids = sorted({s.group_id for samples in trainer.trained.values() for s in samples})
+    assert group_ids == list(range(200, 209))
+    assert all(s.policy_version >= 2 for samples in trainer.trained.values() for s in samples)
 
 
 def test_on_policy_never_trains_while_generating() -> None:

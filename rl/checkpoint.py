@@ -1,0 +1,164 @@
+"""Checkpoint directories on disk: atomic writes, a manifest of checksums, and discovery.
+
+A checkpoint is `run_dir/checkpoints/step_NNNNNN/`. Its files are written into a sibling
+`.tmp-...` directory, fsynced, listed with their sizes and sha256 in `manifest.json` (written
+last), and the directory is renamed into place, so a crash or a failed write at any moment
+leaves the previous checkpoints exactly as they were. What goes inside (trainer shards,
+driver state) is up to the caller; this module knows files only, so the CLI can check a
+checkpoint before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+_PREFIX = "step_"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file and the fix."""
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+class CheckpointWriter:
+    """Writes checkpoints under `root`, keeping the newest `keep_last`."""
+
+    def __init__(self, root: Path, keep_last: int) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={keep_last}: keep at least 1 checkpoint")
+        self.root = root
+        self.keep_last = keep_last
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory to write step `step`'s files into."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Left by a writer that crashed: never a checkpoint, safe to delete.
+        for stale in self.root.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.root / f"{_TMP_PREFIX}{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int) -> Path:
+        """Checksum, fsync and rename `tmp` into place as step `step`; prune old ones."""
+        files = _files(tmp)
+        entries = {}
+        for path in files:
+            _fsync(path)
+            entries[str(path.relative_to(tmp))] = {
+                "bytes": path.stat().st_size,
+                "sha256": _sha256(path),
+            }
+        manifest = {"step": step, "created": time.time(), "files": entries}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync(tmp / MANIFEST)
+        for directory in {p.parent for p in files} | {tmp}:
+            _fsync(directory)
+        final = self.root / checkpoint_name(step)
+        if final.exists():  # the same step written again (a resumed run's final step)
+            old = self.root / f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync(self.root)
+        self._prune()
+        return final
+
+    def abort(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.root)[: -self.keep_last]:
+            shutil.rmtree(old)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint directories under `root`, oldest first (not verified)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def verify(path: Path) -> dict:
+    """The manifest of checkpoint `path` once every file in it checks out; CheckpointError
+    naming the first file that is missing, truncated or altered."""
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (give a step_NNNNNN directory)")
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{manifest_path} is missing: {path} is not a complete checkpoint (a write "
+            "that did not finish?); resume from an earlier one or with --resume auto"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        entries = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{manifest_path} is unreadable ({e}); the checkpoint is damaged"
+        ) from e
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {file} has {size} bytes, the manifest says {entry['bytes']} "
+                "(truncated?)"
+            )
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {file} does not match its sha256 checksum")
+    return manifest
+
+
+def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under `root` that verifies or None, why each newer one was
+    skipped)."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+        except CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return path, skipped
+    return None, skipped
