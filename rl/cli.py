@@ -1,11 +1,15 @@
-"""`rl` command line: `rl train RECIPE [key=value ...]`, `rl build-base RECIPE [key=value ...]`."""
+"""`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH]`,
+`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from rl.checkpoint import CheckpointError
 from rl.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
+from rl.resume import find_resume_point
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,9 +24,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resolve the config and plan the placement, start nothing",
     )
+    train.add_argument(
+        "--resume",
+        metavar="auto|PATH",
+        help="continue from a checkpoint: 'auto' = the newest good one of this run (or a fresh "
+        "start if there is none), or a checkpoint directory",
+    )
     build = commands.add_parser("build-base", help="build the recipe's tiny SFT base checkpoint")
     build.add_argument("recipe")
     build.add_argument("overrides", nargs="*")
+    export = commands.add_parser("export", help="write a checkpoint's policy as an HF model")
+    export.add_argument(
+        "checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100"
+    )
+    export.add_argument("--to", required=True, help="output directory (replaced atomically)")
     return parser
 
 
@@ -35,17 +50,21 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if args.command == "export":
+        return _export(args.checkpoint, args.to)
     if args.command == "train" and args.help_config:
         print(describe_config())
         return 0
     if args.recipe is None:
         _parser().error("train needs a RECIPE (or --help-config)")
     dry_run = args.command == "train" and args.dry_run
+    resume = args.resume if args.command == "train" else None
     try:
         cfg = load_config(args.recipe, args.overrides)
         if args.command == "train" and not dry_run:
             check_inputs(cfg, args.recipe)
-    except ConfigError as exc:
+            resume_from = find_resume_point(cfg, resume)
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if dry_run:
@@ -57,9 +76,25 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"base checkpoint written to {build_base(cfg)}")
         return 0
-    from rl.driver import train
+    from rl.driver import RunAborted, train
 
-    train(cfg)
+    try:
+        train(cfg, resume_from)
+    except RunAborted as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _export(checkpoint: str, out_dir: str) -> int:
+    from rl.export import export_checkpoint
+
+    try:
+        path = export_checkpoint(Path(checkpoint), Path(out_dir))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"HF model written to {path}")
     return 0
 
 

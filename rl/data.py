@@ -1,4 +1,5 @@
-"""Generated train/test splits on disk and a resumable, seeded prompt stream over them.
+"""Train/test splits (generated on disk, or the user's files, their rows checked), the
+prompt-length filter, and a resumable, seeded prompt stream over them.
 
 Splits live in `data.dir/<task>-<hash>/{train,test}.jsonl`, where the hash covers every
 parameter that changes their content, so differently configured runs never share files and
@@ -9,22 +10,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 
-from rl.config import DataConfig
+from rl.config import Config, DataConfig
 from rl.tasks import Task, get_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "test")
 # Bump when generation changes in a way the config does not capture (invalidates caches).
 FORMAT_VERSION = 1
 # Rounds of generation allowed to find enough distinct prompts before giving up.
 _MAX_ROUNDS = 50
+# Prompts per tokenizer call when measuring lengths: fast, with bounded memory.
+_ENCODE_BATCH = 4096
 
 
 def split_dir(cfg: DataConfig) -> Path:
@@ -88,32 +99,225 @@ def prepare_splits(cfg: DataConfig) -> dict[str, Path]:
     return paths
 
 
-def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
-    """The `split` ("train" or "test") of `cfg`'s task as a Dataset.
+@dataclass(frozen=True)
+class Examples:
+    """One split's rows, where they came from (for messages) and how many bad rows
+    data.bad_rows=skip dropped from them."""
 
-    From `data.train_files`/`data.test_files` when given, else generated (and cached).
+    dataset: datasets.Dataset
+    source: str
+    skipped_rows: int = 0
+
+
+def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+    """The `split` ("train" or "test") of `cfg`'s task as a Dataset (see `load_examples`)."""
+    return load_examples(cfg, split).dataset
+
+
+def load_examples(cfg: DataConfig, split: str) -> Examples:
+    """The `split` ("train" or "test") of `cfg`'s task, its rows checked.
+
+    From `data.train_files`/`data.test_files` when given, else generated (and cached). Rows
+    with a missing or null prompt or answer, or a blank prompt, stop with an error naming
+    the file and row, or are dropped and counted under data.bad_rows=skip.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown data split {split!r}; valid: {', '.join(SPLITS)}")
     files = [Path(f) for f in (cfg.train_files if split == "train" else cfg.test_files)]
     if files:
         check_data_files(cfg)
-        builder = "parquet" if files[0].suffix == ".parquet" else "json"
-        data_files, cache_dir = [str(f) for f in files], files[0].parent / ".hf_cache"
-        path = ", ".join(data_files)
     else:
-        path = prepare_splits(cfg)[split]
-        builder, data_files, cache_dir = "json", str(path), path.parent / ".hf_cache"
+        files = [prepare_splits(cfg)[split]]
+    source = ", ".join(str(f) for f in files)
+    parts, skipped = [], 0
+    for file in files:
+        dataset, num_bad = _usable_rows(file, split, cfg.bad_rows)
+        skipped += num_bad
+        if len(dataset):
+            parts.append(dataset)
+    if not parts:
+        after = f" left after skipping {skipped} bad rows" if skipped else ""
+        raise ValueError(f"{split} split at {source} has no rows{after}")
+    return Examples(_concatenate(parts, source), source, skipped)
+
+
+def _usable_rows(file: Path, split: str, bad_rows: str) -> tuple[datasets.Dataset, int]:
+    """`file`'s rows without the bad ones and how many those were; under
+    data.bad_rows=error a bad row is an error naming it instead."""
+    dataset = _read_file(file, split)
+    bad = _bad_rows(dataset)
+    if not bad:
+        return dataset, 0
+    first = _describe_bad_row(file, *bad[0])
+    if bad_rows == "error":
+        also = f" ({len(bad)} bad rows in this file)" if len(bad) > 1 else ""
+        raise ValueError(
+            f"data file {file} {first}{also}; fix the row or set data.bad_rows=skip to skip "
+            "such rows"
+        )
+    logger.warning(
+        "data file %s: skipped %d bad rows (data.bad_rows=skip), the first at %s",
+        file,
+        len(bad),
+        first,
+    )
+    bad_indices = {index for index, _, _ in bad}
+    return dataset.select([i for i in range(len(dataset)) if i not in bad_indices]), len(bad)
+
+
+def _read_file(file: Path, split: str) -> datasets.Dataset:
+    """One data file as a Dataset with prompt and answer columns (rows not yet checked)."""
+    if file.stat().st_size == 0:  # the readers fail on it without saying why
+        raise ValueError(f"{split} split at {file} is empty")
+    builder = "parquet" if file.suffix == ".parquet" else "json"
     try:
         dataset = datasets.load_dataset(
-            builder, data_files=data_files, split="train", cache_dir=str(cache_dir)
+            builder,
+            data_files=str(file),
+            split="train",
+            cache_dir=str(file.parent / ".hf_cache"),
         )
     except Exception as e:  # datasets wraps parse errors in several exception types
-        raise ValueError(f"cannot read {split} split at {path}: {e}") from e
+        raise ValueError(f"cannot read {split} split at {file}: {e or type(e).__name__}") from e
     missing = {"prompt", "answer"} - set(dataset.column_names)
     if missing:
-        raise ValueError(f"{split} split at {path} lacks columns {sorted(missing)}")
+        raise ValueError(
+            f"{split} split at {file} lacks columns {sorted(missing)}: each row needs a "
+            "'prompt' and an 'answer' field (rename the fields the file has)"
+        )
+    prompt_type = getattr(dataset.features["prompt"], "dtype", None)
+    if prompt_type not in ("string", "large_string", "null"):  # null: every prompt is null
+        raise ValueError(
+            f"data file {file}: 'prompt' must be text (one string per row), found "
+            f"{dataset.features['prompt']}"
+        )
     return dataset
+
+
+def _bad_rows(dataset: datasets.Dataset) -> list[tuple[int, str, str]]:
+    """(row index, field, "null" or "empty") for each row the run cannot use."""
+    columns = dataset.select_columns(["prompt", "answer"])[:]
+    bad = []
+    for index, (prompt, answer) in enumerate(
+        zip(columns["prompt"], columns["answer"], strict=True)
+    ):
+        if prompt is None:
+            bad.append((index, "prompt", "null"))
+        elif answer is None:
+            bad.append((index, "answer", "null"))
+        elif not prompt.strip():
+            bad.append((index, "prompt", "empty"))
+    return bad
+
+
+def _describe_bad_row(file: Path, index: int, field: str, problem: str) -> str:
+    """Where row `index` of `file` is, as its user sees it, and what is wrong with it."""
+    if file.suffix == ".parquet" or _is_json_array(file):
+        where = f"row index {index}"
+        problem = "missing or null" if problem == "null" else problem
+    else:
+        number, line = _jsonl_line(file, index)
+        where = f"line {number}"
+        if problem == "null" and field not in json.loads(line):  # Arrow reads absent as null
+            problem = "missing"
+    return f"{where}: {field!r} is {problem}"
+
+
+def _is_json_array(file: Path) -> bool:
+    """Whether a .json file holds one JSON array of rows rather than one row per line."""
+    with file.open("rb") as f:
+        return f.read(4096).lstrip().startswith(b"[")
+
+
+def _jsonl_line(file: Path, index: int) -> tuple[int, str]:
+    """The 1-based line number and text of row `index` of a JSON-lines file (the reader
+    skips blank lines, so rows and lines can differ)."""
+    row = -1
+    with file.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip(b" \t\r\n"):
+                row += 1
+                if row == index:
+                    return number, line.decode()
+    raise ValueError(f"data file {file} has no row {index}")  # the file changed under us
+
+
+def _concatenate(parts: list[datasets.Dataset], source: str) -> datasets.Dataset:
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        return datasets.concatenate_datasets(parts)
+    except ValueError as e:
+        raise ValueError(
+            f"data files {source} differ in columns or types ({e}): give them the same fields"
+        ) from e
+
+
+def prompt_token_limit(cfg: Config) -> int:
+    """The longest prompt, in tokens, a run keeps: data.max_prompt_tokens, where 0 means
+    what the engine can take beside a full response."""
+    room = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    limit = cfg.data.max_prompt_tokens
+    if limit < 0:
+        raise ValueError(f"data.max_prompt_tokens={limit}: use 0 (as long as fits) or a count")
+    if limit > room:
+        raise ValueError(
+            f"data.max_prompt_tokens={limit} exceeds rollout.max_model_len - "
+            f"rollout.max_new_tokens = {room}, so such prompts leave no room for a response: "
+            "lower data.max_prompt_tokens (0 = that difference) or raise rollout.max_model_len"
+        )
+    limit = limit or room
+    if limit < 1:
+        raise ValueError(
+            f"data.max_prompt_tokens resolves to rollout.max_model_len - rollout.max_new_tokens "
+            f"= {room} tokens, no room for any prompt: raise rollout.max_model_len or lower "
+            "rollout.max_new_tokens"
+        )
+    return limit
+
+
+def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[int]:
+    """`len(encode_prompt(tokenizer, p))` for each of `prompts`, tokenised in batches (several
+    times faster than one call per prompt); tests hold the two equal."""
+    lengths: list[int] = []
+    for start in range(0, len(prompts), _ENCODE_BATCH):
+        batch = prompts[start : start + _ENCODE_BATCH]
+        if tokenizer.chat_template is None:  # encode_prompt's raw fallback
+            ids = tokenizer(batch, return_attention_mask=False)["input_ids"]
+        else:
+            texts = tokenizer.apply_chat_template(
+                [[{"role": "user", "content": p}] for p in batch],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
+            ids = ids["input_ids"]
+        lengths.extend(len(row) for row in ids)
+    return lengths
+
+
+def filter_long_prompts(
+    dataset: datasets.Dataset,
+    lengths: Callable[[list[str]], list[int]],
+    max_tokens: int,
+    source: str,
+) -> tuple[datasets.Dataset, int]:
+    """`dataset` without the rows whose prompt is over `max_tokens` tokens as measured by
+    `lengths` (e.g. `partial(prompt_lengths, tokenizer)`), and how many were dropped.
+
+    `source` names where the rows came from, for the error raised when none are left.
+    """
+    sizes = lengths(list(dataset["prompt"]))
+    keep = [index for index, size in enumerate(sizes) if size <= max_tokens]
+    if not keep and sizes:
+        raise ValueError(
+            f"all {len(sizes)} prompts of {source} are longer than {max_tokens} tokens, the "
+            "prompt limit (data.max_prompt_tokens, or rollout.max_model_len - "
+            "rollout.max_new_tokens when it is 0): raise the limit or use shorter prompts"
+        )
+    if len(keep) == len(sizes):
+        return dataset, 0  # no copy of the index when nothing is dropped
+    return dataset.select(keep), len(sizes) - len(keep)
 
 
 def check_data_files(cfg: DataConfig) -> None:

@@ -3,26 +3,43 @@
 The loop itself (rl.scheduler) reads: generate and score groups as admission allows, annotate
 them (old/reference log-probs, values), train a step, sync its weights; with
 scheduler.max_staleness > 0 generation of the next steps overlaps training. Held-out greedy
-evaluation runs every `run.eval_every` versions, and the final policy is exported to HF.
+evaluation runs every `run.eval_every` versions, checkpoints every `checkpoint.every` steps
+and at the end, and the final policy is exported to HF.
+
+What goes wrong is absorbed here: a SIGTERM/SIGINT stops after the current step with a
+checkpoint; a trainer or critic rank that dies rebuilds every role from the last checkpoint;
+steps whose loss or gradient is not finite are skipped, and too many in a row stop the run.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
+import ray
 from transformers import AutoTokenizer
 
+from rl.checkpoint import checkpoint_root, newest_valid
 from rl.cluster import init_ray, reserve
 from rl.config import Config
 from rl.critic_group import CriticGroup
-from rl.data import PromptStream, load_split
+from rl.data import (
+    PromptStream,
+    filter_long_prompts,
+    load_examples,
+    prompt_lengths,
+    prompt_token_limit,
+)
 from rl.evaluation import evaluate
 from rl.experience import StreamingScorer, TrainerSide
 from rl.metrics import MetricsLogger
+from rl.preemption import StopRequest
 from rl.prompts import encode_prompt
+from rl.resume import run_dir_of
 from rl.rewards import RewardScorer
 from rl.rollout_group import RolloutGroup
+from rl.run_checkpoint import DriverState, RunCheckpoints
 from rl.scheduler import Scheduler, Settings
 from rl.tasks import get_task
 from rl.trace import Trace
@@ -32,94 +49,243 @@ from rl.weight_sync import WeightSync
 from trainer.base_model import ensure_base
 
 
-def train(cfg: Config) -> dict[str, float]:
-    """Run `cfg` to the end; returns the final step's metrics (with eval/accuracy_before and
-    the whole run's run/busy_fraction and run/overlap_fraction)."""
+class RunAborted(RuntimeError):
+    """The run stopped itself; the message says why and what was saved."""
+
+
+def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
+    """Run `cfg` to the end, from checkpoint `resume_from` if given (see rl.resume); returns
+    the last step's metrics (with eval/accuracy_before and the run/* totals)."""
+    # Bad config or data rows stop the run here, before a base is built or Ray starts.
+    prompt_token_limit(cfg)
+    for split in ("train", "test"):
+        load_examples(cfg.data, split)
     ensure_base(cfg)
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    stop = StopRequest()
+    num_restarts = 0
+    with stop.installed():
+        while True:
+            try:
+                return _run(cfg, run_dir, resume_from, stop)
+            except ray.exceptions.RayActorError as e:
+                num_restarts += 1
+                if num_restarts > cfg.faults.max_trainer_restarts:
+                    raise RunAborted(
+                        f"a trainer-side actor died {num_restarts} times "
+                        f"(faults.max_trainer_restarts={cfg.faults.max_trainer_restarts}); "
+                        f"last: {e}"
+                    ) from e
+                resume_from, _ = newest_valid(checkpoint_root(run_dir))
+                print(
+                    f"an actor died ({type(e).__name__}); rebuilding every role from "
+                    f"{resume_from or 'the start'} (restart {num_restarts}/"
+                    f"{cfg.faults.max_trainer_restarts})",
+                    flush=True,
+                )
+
+
+def _run(cfg: Config, run_dir: Path, resume_from: Path | None, stop: StopRequest) -> dict:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     task = get_task(cfg.data.task)
-    prompts_stream = PromptStream(load_split(cfg.data, "train"), seed=cfg.run.seed)
-    test_examples = list(load_split(cfg.data, "test"))[: cfg.run.num_eval_prompts]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    init_ray()
-    placement = reserve(cfg)
-    plan, num_roles = placement.plan, placement.plan.num_roles_sharing
-    rollout = RolloutGroup(cfg, placement, num_roles_sharing=num_roles)
-    trainers = TrainGroup(cfg, placement, num_roles_sharing=num_roles)
-    critic = (
-        CriticGroup(cfg, placement, num_roles_sharing=num_roles) if "critic" in plan.roles else None
-    )
-    weight_sync = WeightSync(cfg, trainers, rollout)
-    reward_bundle = plan.roles.get("reward_model", [0])[0]
-    scorer = StreamingScorer(
-        cfg, RewardScorer(cfg.reward, task, placement.actor_options(reward_bundle, num_roles))
-    )
-    trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, tokenizer.pad_token_id)
-    trace = Trace(plan.trace_lanes())
-    logger = MetricsLogger(cfg, run_dir)
-    rollout_lanes = [lane for lane in trace.lanes if lane.startswith("rollout")]
-
-    def held_out_accuracy() -> float:
-        for lane in rollout_lanes:
-            trace.begin(lane, "eval")
-        accuracy = evaluate(rollout, tokenizer, task, test_examples, cfg)
-        for lane in rollout_lanes:
-            trace.end(lane, "eval")
-        return accuracy
-
-    def on_version(version: int) -> dict[str, float]:
-        due = version == cfg.run.num_steps or (
-            cfg.run.eval_every and version % cfg.run.eval_every == 0
+    data_counts, splits = {}, {}
+    for split in ("train", "test"):
+        examples = load_examples(cfg.data, split)
+        splits[split], num_long = filter_long_prompts(
+            examples.dataset,
+            partial(prompt_lengths, tokenizer),
+            prompt_token_limit(cfg),
+            examples.source,
         )
-        return {"eval/accuracy": held_out_accuracy()} if due else {}
+        data_counts[f"data/{split}_skipped_rows"] = float(examples.skipped_rows)
+        data_counts[f"data/{split}_filtered_long_prompts"] = float(num_long)
+    prompts_stream = PromptStream(splits["train"], seed=cfg.run.seed)
+    test_examples = list(splits["test"])[: cfg.run.num_eval_prompts]
+    init_ray()
+    stop.install()
+    placement = reserve(cfg)
+    closers = [placement.release]
+    try:
+        plan, num_roles = placement.plan, placement.plan.num_roles_sharing
+        rollout = RolloutGroup(cfg, placement, num_roles_sharing=num_roles)
+        trainers = TrainGroup(cfg, placement, num_roles_sharing=num_roles)
+        critic = None
+        if "critic" in plan.roles:
+            critic = CriticGroup(cfg, placement, num_roles_sharing=num_roles)
+        weight_sync = WeightSync(cfg, trainers, rollout)
+        closers.append(weight_sync.close)
+        reward_bundle = plan.roles.get("reward_model", [0])[0]
+        scorer = StreamingScorer(
+            cfg,
+            RewardScorer(
+                cfg.reward,
+                task,
+                placement.actor_options(reward_bundle, num_roles),
+                retries=cfg.faults.reward_model_retries,
+            ),
+        )
+        closers.append(scorer.close)
+        trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, tokenizer.pad_token_id)
+        closers.append(trainer_side.close)
+        checkpoints = RunCheckpoints(cfg, run_dir, trainers, critic)
+        state = None
+        if resume_from is not None:
+            state = checkpoints.restore(resume_from)
+            prompts_stream.load_state_dict(state.prompt_stream)
+            trainer_side.kl_controller.coef = state.kl_coef
+            weight_sync.push(state.step)
+        trace = Trace(plan.trace_lanes())
+        logger = MetricsLogger(cfg, run_dir, resume_step=state.step if state else None)
+        closers.append(logger.close)
+        loop = _Loop(cfg, rollout, tokenizer, task, test_examples, prompts_stream, trace, logger)
+        scheduler = Scheduler(
+            Settings.from_config(cfg, placement.use_gpu),
+            loop.sampling(),
+            rollout,
+            trainer_side,
+            scorer,
+            loop.next_prompt,
+            trace,
+            loop.on_version,
+            start_version=state.step if state else 0,
+            first_group_id=state.first_group_id if state else 0,
+        )
+        if state is None:
+            kl_coef = trainer_side.kl_controller.coef
+            accuracy = loop.accuracy_before(data_counts)
+            state = DriverState(0, 0, prompts_stream.state_dict(), kl_coef, accuracy)
+        elif state.step:
+            logger.print(f"resumed from {resume_from} at step {state.step}")
+        metrics = _train_steps(cfg, scheduler, trainer_side, checkpoints, loop, state, stop)
+        if cfg.run.export_hf and not stop.signal_name:
+            with trace.span("trainer", "checkpoint"):
+                export_dir = trainers.export_hf(run_dir / "hf")
+            logger.print(f"final policy exported to {export_dir}")
+        trace.write(run_dir / "trace.json")
+        return metrics
+    finally:
+        for close in reversed(closers):
+            close()
 
-    def next_prompt() -> tuple[dict, list[int]]:
-        example = prompts_stream.next_batch(1)[0]
-        return example, encode_prompt(tokenizer, example["prompt"])
 
-    accuracy_before = held_out_accuracy()
-    logger.print(f"held-out greedy accuracy before RL: {accuracy_before:.1%}")
-    logger.log(0, {"eval/accuracy": accuracy_before})
-    sampling = SamplingParams(
-        n=cfg.algorithm.group_size,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=cfg.run.seed * 100_003,  # group ids are unique in a run, so every sample differs
-    )
-    scheduler = Scheduler(
-        Settings.from_config(cfg, placement.use_gpu),
-        sampling,
-        rollout,
-        trainer_side,
-        scorer,
-        next_prompt,
-        trace,
-        on_version,
-    )
+def _train_steps(
+    cfg: Config,
+    scheduler: Scheduler,
+    trainer_side: TrainerSide,
+    checkpoints: RunCheckpoints,
+    loop: _Loop,
+    state: DriverState,
+    stop: StopRequest,
+) -> dict[str, float]:
+    """Train the remaining steps, checkpointing as configured; returns the last metrics."""
+    logger = loop.logger
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     for step, metrics in scheduler.run():
         logger.log(step, metrics)
-    run_summary = trace.summary(start, time.perf_counter())
-    metrics["eval/accuracy_before"] = accuracy_before
+        skipped = metrics.get("actor/nonfinite_skipped", 0) + metrics.get(
+            "critic/nonfinite_skipped", 0
+        )
+        state.num_nonfinite_in_a_row = state.num_nonfinite_in_a_row + 1 if skipped else 0
+        state.step, state.kl_coef = step, trainer_side.kl_controller.coef
+        state.first_group_id = scheduler.first_untrained_group()
+        state.prompt_stream = loop.stream_state_before(state.first_group_id)
+        every = cfg.checkpoint.every
+        last = step == cfg.run.num_steps and cfg.checkpoint.save_final
+        bad = state.num_nonfinite_in_a_row >= cfg.faults.max_nonfinite_steps
+        if (every and step % every == 0) or last or stop.signal_name or bad:
+            with loop.trace.span("trainer", "checkpoint"):
+                path = checkpoints.save(state)
+            logger.print(f"checkpoint written to {path}")
+        if bad:
+            raise RunAborted(
+                f"{state.num_nonfinite_in_a_row} steps in a row (up to step {step}) had a "
+                "NaN/inf loss or gradient and were skipped (faults.max_nonfinite_steps="
+                f"{cfg.faults.max_nonfinite_steps}); the last good weights are in {path}. "
+                "Check the rewards for NaN, or lower trainer.lr"
+            )
+        if stop.signal_name:
+            logger.print(
+                f"stopped by {stop.signal_name} after step {step}: checkpoint {path}; continue "
+                "with `rl train RECIPE --resume auto`"
+            )
+            break
+    run_summary = loop.trace.summary(start, time.perf_counter())
+    metrics["eval/accuracy_before"] = state.accuracy_before
     metrics.update({key.replace("perf/", "run/"): value for key, value in run_summary.items()})
-    logger.print(
-        f"held-out greedy accuracy: {accuracy_before:.1%} before -> "
-        f"{metrics['eval/accuracy']:.1%} after {cfg.run.num_steps} steps; the device pool was "
-        f"busy {metrics.get('run/busy_fraction', 0):.0%} of the time, generation and training "
-        f"overlapped {metrics['run/overlap_fraction']:.0%}"
-    )
-    if cfg.run.export_hf:
-        with trace.span("trainer", "checkpoint"):
-            export_dir = trainers.export_hf(run_dir / "hf")
-        logger.print(f"final policy exported to {export_dir}")
-    trace.write(run_dir / "trace.json")
-    logger.close()
-    trainer_side.close()
-    weight_sync.close()
-    scorer.close()
-    placement.release()
+    if "eval/accuracy" in metrics and not stop.signal_name:
+        logger.print(
+            f"held-out greedy accuracy: {state.accuracy_before:.1%} before -> "
+            f"{metrics['eval/accuracy']:.1%} after {cfg.run.num_steps} steps; the device pool "
+            f"was busy {metrics.get('run/busy_fraction', 0):.0%} of the time, generation and "
+            f"training overlapped {metrics.get('run/overlap_fraction', 0):.0%}"
+        )
     return metrics
+
+
+class _Loop:
+    """The driver's callbacks into the scheduler: prompts, evaluation, sampling."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rollout: RolloutGroup,
+        tokenizer: AutoTokenizer,
+        task: object,
+        test_examples: list[dict],
+        prompts_stream: PromptStream,
+        trace: Trace,
+        logger: MetricsLogger,
+    ) -> None:
+        self.cfg, self.rollout, self.tokenizer, self.task = cfg, rollout, tokenizer, task
+        self.test_examples = test_examples
+        self.prompts_stream, self.trace, self.logger = prompts_stream, trace, logger
+        # group id -> the stream's state right before that group drew its prompt
+        self._stream_states: dict[int, dict] = {}
+        self._rollout_lanes = [lane for lane in trace.lanes if lane.startswith("rollout")]
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.cfg.algorithm.group_size,
+            temperature=self.cfg.rollout.temperature,
+            top_p=self.cfg.rollout.top_p,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            seed=self.cfg.run.seed * 100_003,  # group ids are unique in a run: samples differ
+        )
+
+    def next_prompt(self, group_id: int) -> tuple[dict, list[int]]:
+        self._stream_states[group_id] = self.prompts_stream.state_dict()
+        example = self.prompts_stream.next_batch(1)[0]
+        return example, encode_prompt(self.tokenizer, example["prompt"])
+
+    def stream_state_before(self, group_id: int) -> dict:
+        """Where the prompt stream stood before group `group_id` (now, if not drawn yet);
+        older states are forgotten."""
+        for old in [g for g in self._stream_states if g < group_id]:
+            del self._stream_states[old]
+        return self._stream_states.get(group_id, self.prompts_stream.state_dict())
+
+    def held_out_accuracy(self) -> float:
+        for lane in self._rollout_lanes:
+            self.trace.begin(lane, "eval")
+        accuracy = evaluate(self.rollout, self.tokenizer, self.task, self.test_examples, self.cfg)
+        for lane in self._rollout_lanes:
+            self.trace.end(lane, "eval")
+        return accuracy
+
+    def accuracy_before(self, data_counts: dict[str, float]) -> float:
+        """Step 0's record: held-out accuracy and the data rows skipped or filtered."""
+        accuracy = self.held_out_accuracy()
+        self.logger.print(f"held-out greedy accuracy before RL: {accuracy:.1%}")
+        dropped = {key: n for key, n in data_counts.items() if n}
+        if dropped:
+            self.logger.print(f"data rows left out: {dropped}")
+        self.logger.log(0, {"eval/accuracy": accuracy, **data_counts})
+        return accuracy
+
+    def on_version(self, version: int) -> dict[str, float]:
+        every = self.cfg.run.eval_every
+        due = version == self.cfg.run.num_steps or (every and version % every == 0)
+        return {"eval/accuracy": self.held_out_accuracy()} if due else {}

@@ -21,10 +21,21 @@ CONSOLE_KEYS = {
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Config, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, resume_step: int | None = None) -> None:
+        """A fresh run starts a new metrics.jsonl (appending would mix two runs under one
+        name); a run resumed at `resume_step` keeps the records up to that step and drops
+        the later ones, which the interrupted run logged after its checkpoint."""
         self.path = run_dir / "metrics.jsonl"
-        # A new run starts a new file: appending would mix two runs under one name.
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
         self._file = self.path.open("w")
+        self._file.writelines(kept)
+        self._file.flush()
         self._wandb = None
         if cfg.run.wandb_mode != "disabled":
             import wandb
@@ -38,7 +49,10 @@ class MetricsLogger:
                 config=cfg.model_dump(),
             )
         self._bar = tqdm(
-            total=cfg.run.num_steps, desc=cfg.run.name, disable=not cfg.run.progress_bar
+            total=cfg.run.num_steps,
+            initial=resume_step or 0,
+            desc=cfg.run.name,
+            disable=not cfg.run.progress_bar,
         )
         self._postfix: dict[str, str] = {}
 
@@ -68,3 +82,10 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def is_measurement(key: str) -> bool:
+    """Whether metric `key` measures the machine (wall time, throughput, memory) rather than
+    the computation: only these differ between two runs of one seed, or a run and its
+    resumption."""
+    return key.startswith(("time/", "timing/", "perf/", "run/")) or key.endswith(("_s", "_mb", "seconds"))

@@ -290,12 +290,17 @@ def _describe_model(model: type[BaseModel], prefix: str, lines: list[str]) -> No
 
 
 def check_inputs(cfg: Config, path: Path | str) -> None:
-    """The files a run reads exist: the model checkpoint and any data files."""
-    from rl.data import check_data_files
+    """The files a run reads exist and hold usable rows: the model checkpoint and any data
+    files (every row with a prompt and an answer, unless data.bad_rows=skip)."""
+    from rl.data import check_data_files, load_examples, prompt_token_limit
 
     _check_model_path(cfg, path)
     try:
         check_data_files(cfg.data)
+        prompt_token_limit(cfg)
+        if cfg.data.train_files:
+            for split in ("train", "test"):
+                load_examples(cfg.data, split)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

@@ -7,6 +7,7 @@ num_mini_batches / num_epochs / num_threads / betas / weight_decay shared with t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,10 +165,13 @@ class ValueTrainer:
         """trainer.num_epochs passes over `batch`, trainer.num_mini_batches optimizer steps each.
 
         `batch.returns` are the targets; `batch.old_values` (the values at generation) anchor
-        the clipping when critic.value_clip > 0. Returns global critic/* metrics: value_loss
-        and grad_norm are means over optimizer steps, lr the last lr used, value_clip_frac and
-        values_mean token means, and explained_variance 1 - Var[R - V] / Var[R] over every valid
-        token of the step (values as predicted before each update).
+        the clipping when critic.value_clip > 0. An optimizer step whose loss or gradient norm
+        is NaN/inf is skipped (`trainer.ranks.optimizer_step`), and counted in
+        critic/nonfinite_skipped. The other metrics describe the steps taken only (all NaN when
+        every step was skipped): value_loss and grad_norm are means over them, value_clip_frac
+        and values_mean token means, and explained_variance 1 - Var[R - V] / Var[R] over their
+        valid tokens (values as predicted before each update); lr is the last step's lr (for a
+        skipped one, the lr the next step will use).
         """
         if batch.returns is None or batch.old_values is None:
             raise ValueError("critic train_step needs batch.returns and batch.old_values")
@@ -175,17 +179,24 @@ class ValueTrainer:
         start = time.perf_counter()
         totals = dict.fromkeys(_SUMS, 0.0)
         loss_sum = grad_norm_sum = 0.0
-        steps = 0
+        steps = skipped = 0
         for _ in range(self.cfg.trainer.num_epochs):
             for rows in mini_batches:
                 sums = self.accumulate_gradients(batch.select(rows))
-                grad_norm, lr = optimizer_step(
-                    self.model, self.optimizer, self.scheduler, self.cfg.critic.max_grad_norm
+                step = optimizer_step(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.cfg.critic.max_grad_norm,
+                    loss=sums["loss"],
                 )
+                if step.skipped:  # its sums are typically NaN and describe no update
+                    skipped += 1
+                    continue
                 for name in totals:
                     totals[name] += sums[name]
                 loss_sum += sums["loss"]
-                grad_norm_sum += grad_norm
+                grad_norm_sum += step.grad_norm
                 steps += 1
         n = max(totals["tokens"], 1.0)
         returns_var = totals["returns_sq"] / n - (totals["returns"] / n) ** 2
@@ -193,13 +204,19 @@ class ValueTrainer:
         # (Near-)constant returns, e.g. equal rewards at gamma 1, have nothing to explain:
         # report 0 rather than dividing by a variance that is rounding noise.
         explained = 1.0 - error_var / returns_var if returns_var > 1e-8 else 0.0
-        return {
-            "critic/value_loss": loss_sum / steps,
+        metrics = {
+            "critic/value_loss": loss_sum / max(steps, 1),
             "critic/value_clip_frac": totals["clipped"] / n,
             "critic/values_mean": totals["values"] / n,
-            "critic/grad_norm": grad_norm_sum / steps,
-            "critic/lr": lr,
+            "critic/grad_norm": grad_norm_sum / max(steps, 1),
             "critic/explained_variance": explained,
+        }
+        if steps == 0:  # no update to describe (MetricsLogger writes NaN as null)
+            metrics = dict.fromkeys(metrics, math.nan)
+        return {
+            **metrics,
+            "critic/nonfinite_skipped": float(skipped),
+            "critic/lr": step.lr,
             "timing/critic_step_s": time.perf_counter() - start,
         }
 

@@ -5,6 +5,7 @@ Data parallelism, micro-batching with dummy rows and the optimizer step: see `tr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded
 from trainer.hf_model import save_hf_atomic
 from trainer.ranks import (
+    StepResult,
     adamw_with_warmup,
     check_batching,
     init_rank,
@@ -146,45 +148,61 @@ class PolicyTrainer:
         out.update(loss=sums[-2].item(), tokens=sums[-1].item())
         return out
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip, step, zero grads. Returns (pre-clip global grad norm, lr used)."""
+    def _optimizer_step(self, loss: float) -> StepResult:
+        """Clip, step, zero grads; skipped when `loss` or the grad norm is NaN/inf
+        (`trainer.ranks.optimizer_step`)."""
         return optimizer_step(
-            self.policy, self.optimizer, self.scheduler, self.cfg.trainer.max_grad_norm
+            self.policy, self.optimizer, self.scheduler, self.cfg.trainer.max_grad_norm, loss=loss
         )
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """trainer.num_epochs passes over `batch`, trainer.num_mini_batches optimizer steps each.
 
-        Mini-batches are contiguous row ranges of the batch, in order. Returns global metrics:
-        actor/* are token-weighted means over the whole step (actor/loss and actor/grad_norm are
-        means over optimizer steps, actor/lr the last lr used), plus timing/*.
+        Mini-batches are contiguous row ranges of the batch, in order. An optimizer step whose
+        loss or gradient norm is NaN/inf is skipped (nothing changes but the zeroed grads).
+        Returns global metrics: actor/nonfinite_skipped is the number of skipped steps; the
+        other actor/* describe the steps taken only (a skipped step's metrics are typically
+        NaN and describe no update): token-weighted means over their tokens, actor/loss and
+        actor/grad_norm means over them, all NaN when every step was skipped; actor/lr is the
+        lr of the last step (for a skipped one, the lr the next step will use). Plus timing/*.
         """
         mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
         start = time.perf_counter()
         totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
         loss_sum = grad_norm_sum = tokens = 0.0
-        step_metrics = []
+        step_metrics = []  # every step's, taken or not: which metrics this config reports
+        taken = 0
         for _ in range(self.cfg.trainer.num_epochs):
             for rows in mini_batches:
                 metrics = self.accumulate_gradients(batch.select(rows))
                 step_metrics.append(metrics)
-                grad_norm, lr = self._optimizer_step()
+                step = self._optimizer_step(metrics["loss"])
+                if step.skipped:
+                    continue
+                taken += 1
                 for name in totals:
                     totals[name] += metrics.get(name, 0.0) * metrics["tokens"]
                 loss_sum += metrics["loss"]
-                grad_norm_sum += grad_norm
+                grad_norm_sum += step.grad_norm
                 tokens += metrics["tokens"]
         seconds = time.perf_counter() - start
         out = {f"actor/{name}": value / max(tokens, 1.0) for name, value in totals.items()}
         for name in _TOKEN_METRICS:
             if all(name not in metrics for metrics in step_metrics):
                 del out[f"actor/{name}"]
+        out.update(
+            {
+                "actor/loss": loss_sum / max(taken, 1),
+                "actor/grad_norm": grad_norm_sum / max(taken, 1),
+            }
+        )
+        if taken == 0:  # no update to describe (MetricsLogger writes NaN as null)
+            out = dict.fromkeys(out, math.nan)
         real_tokens = batch.attention_mask.sum().item() * self.cfg.trainer.num_epochs
         out.update(
             {
-                "actor/loss": loss_sum / len(step_metrics),
-                "actor/grad_norm": grad_norm_sum / len(step_metrics),
-                "actor/lr": lr,
+                "actor/nonfinite_skipped": float(len(step_metrics) - taken),
+                "actor/lr": step.lr,
                 "timing/train_step_s": seconds,
                 "timing/train_tokens_per_s": real_tokens / seconds,
             }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -126,24 +127,43 @@ def adamw_with_warmup(
     return optimizer, scheduler
 
 
+class StepResult(NamedTuple):
+    """What `optimizer_step` did: identical on every rank (its inputs are global)."""
+
+    grad_norm: float  # pre-clip global gradient norm (NaN/inf when that caused the skip)
+    lr: float  # the lr the step used; when skipped, the lr the next step will use
+    skipped: bool  # non-finite loss or gradient: nothing was updated
+
+
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     max_grad_norm: float,
-) -> tuple[float, float]:
-    """Clip `model`'s gradients to `max_grad_norm`, step, zero grads.
+    *,
+    loss: float,
+) -> StepResult:
+    """Clip `model`'s gradients to `max_grad_norm`, step optimizer and schedule, zero grads.
 
-    Returns (pre-clip global grad norm, lr used). Collective: the norm of DTensor shards is
+    `loss` is the step's global (all-reduced) loss. If it or the global grad norm is NaN/inf
+    the step is skipped: no clip, no optimizer or scheduler step, so parameters, Adam moments
+    and step counts and the lr schedule stay exactly as they were; the grads are still zeroed
+    so the bad ones do not leak into the next step. Collective: the norm of DTensor shards is
     completed across ranks.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(grad_norm, DTensor):  # partial norms of the shards -> the global norm
         grad_norm = grad_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
+    norm = grad_norm.item()
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
+    # Every rank must take the same decision, or the shards' optimizer states and lr diverge:
+    # they do, because both inputs are global (the all-reduced norm and the all-reduced loss),
+    # so a NaN on any one rank's rows reaches every rank.
+    skipped = not (math.isfinite(norm) and math.isfinite(loss))
+    if not skipped:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm)
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item(), lr
+    return StepResult(norm, lr, skipped)

@@ -3,12 +3,14 @@ weighted sum.
 
 Function terms (verifiers, `task`, users' functions) run in a `FunctionPool` of worker
 processes, each (term, sample) within `reward.timeout_s`; reward models run on their own
-`RewardModelWorker` actors at the same time.
+`RewardModelWorker` actors at the same time. A reward-model actor that dies is replaced and
+its call retried, `retries` times per call, before the run stops.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -23,17 +25,41 @@ from rl.tasks import Task
 MODEL_STARTUP_TIMEOUT_S = 600.0
 
 
+@dataclass
+class _ModelTerm:
+    """A `model:PATH` term: its place in `cfg.terms`, its name, the absolute path its actors
+    load, and the actor scoring now (replaced when it dies)."""
+
+    index: int
+    name: str
+    path: str
+    actor: ActorHandle
+
+
 class RewardScorer:
     """The weighted sum of `cfg.terms`. Builds every term in the constructor (validating names,
     importing users' files, starting worker processes and reward-model actors), so that bad
     input fails before any training work. `close()` stops the processes and actors.
 
     `model_options` are Ray `.options(...)` for the reward-model actors (resources, placement).
+    `retries`: how often one `score` call replaces a reward-model actor that died and asks
+    again before it raises (`faults.reward_model_retries` in a run).
     """
 
-    def __init__(self, cfg: RewardConfig, task: Task, model_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        task: Task,
+        model_options: dict | None = None,
+        *,
+        retries: int = 0,
+    ) -> None:
         check_reward_terms(cfg)
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
         self.cfg = cfg
+        self._model_options = model_options or {}
+        self._retries = retries
         self.labels: list[str] = []
         for term in cfg.terms:
             base = label = term_label(term.name)
@@ -43,17 +69,16 @@ class RewardScorer:
             self.labels.append(label)
         self._weights = torch.tensor([term.weight for term in cfg.terms], dtype=torch.float64)
         self._functions: list[tuple[int, FunctionTerm]] = []
-        self._models: list[tuple[int, ActorHandle]] = []
+        self._models: list[_ModelTerm] = []
         self._pool: FunctionPool | None = None
         try:
             for index, term in enumerate(cfg.terms):
                 kind, arg = parse_term(term.name)
                 if kind == "model":
                     # Absolute: an actor's working directory need not be the driver's.
-                    actor = RewardModelWorker.options(**(model_options or {})).remote(
-                        os.path.abspath(arg), cfg.model_batch_size
-                    )
-                    self._models.append((index, actor))
+                    path = os.path.abspath(arg)
+                    model = _ModelTerm(index, term.name, path, self._start_actor(path))
+                    self._models.append(model)
                 else:
                     self._functions.append((index, FunctionTerm.from_name(term.name, task)))
             if self._functions:
@@ -64,16 +89,59 @@ class RewardScorer:
             self.close()
             raise
 
+    def _start_actor(self, path: str) -> ActorHandle:
+        return RewardModelWorker.options(**self._model_options).remote(
+            path, self.cfg.model_batch_size
+        )
+
     def _wait_for_models(self) -> None:
-        for index, actor in self._models:
+        # All actors were started first, so they load their models at the same time.
+        for model in self._models:
+            self._wait_ready(model)
+
+    @staticmethod
+    def _wait_ready(model: _ModelTerm) -> None:
+        try:
+            ray.get(model.actor.ready.remote(), timeout=MODEL_STARTUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RuntimeError(
+                f"reward term {model.name!r}: the reward-model actor did not start within "
+                f"{MODEL_STARTUP_TIMEOUT_S:.0f} s (are its resources free? cluster has "
+                f"{ray.available_resources()})"
+            ) from e
+
+    def _replace_actor(self, model: _ModelTerm) -> None:
+        """A fresh actor for `model`, like the first one, loaded and ready."""
+        # The old one may only look dead (unreachable): free its resources (its GPU share, its
+        # placement-group bundle) for the replacement, which needs the same ones.
+        ray.kill(model.actor)
+        model.actor = self._start_actor(model.path)
+        self._wait_ready(model)
+
+    def _model_scores(
+        self, model: _ModelTerm, ref: ray.ObjectRef, prompts: list[str], responses: list[str]
+    ) -> tuple[list[float], int]:
+        """`ref`'s scores, and how many times `model`'s actor died and was replaced to get
+        them. Raises RuntimeError once it has died `retries + 1` times in this call."""
+        deaths = 0
+        while True:
             try:
-                ray.get(actor.ready.remote(), timeout=MODEL_STARTUP_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError as e:
-                raise RuntimeError(
-                    f"reward term {self.cfg.terms[index].name!r}: the reward-model actor did not "
-                    f"start within {MODEL_STARTUP_TIMEOUT_S:.0f} s (are its resources free? "
-                    f"cluster has {ray.available_resources()})"
-                ) from e
+                if deaths:
+                    self._replace_actor(model)
+                    ref = model.actor.score.remote(prompts, responses)
+                return ray.get(ref), deaths
+            except ray.exceptions.RayActorError as e:
+                # An exception the model code raised (RayTaskError, even one wrapping another
+                # actor's death) is a bug to see, not a fault that a new actor would fix.
+                if isinstance(e, ray.exceptions.RayTaskError):
+                    raise
+                deaths += 1
+                if deaths > self._retries:
+                    raise RuntimeError(
+                        f"reward term {model.name!r}: the reward-model actor died {deaths} "
+                        f"time{'s' if deaths > 1 else ''} scoring one batch (last: {e}); the run "
+                        "stops — check the reward model's memory and resources"
+                    ) from e
 
     def score(
         self, prompts: list[str], responses: list[str], examples: list[dict]
@@ -82,7 +150,10 @@ class RewardScorer:
 
         Metrics: `reward/<label>_mean` per term (unweighted), and `reward/errors` and
         `reward/timeouts`, the function calls of this batch that raised or ran out of time and
-        scored 0 (with reward.on_error="fail" the first one raises RuntimeError instead).
+        scored 0 (with reward.on_error="fail" the first one raises RuntimeError instead). With
+        reward models, `reward/model_actor_errors`: how many times their actors died during
+        this batch and were replaced (the scores are still complete; one call's deaths past
+        `retries` raise RuntimeError instead). Like the other counts, a step sums it.
         """
         n = len(responses)
         if len(prompts) != n or len(examples) != n:
@@ -90,7 +161,7 @@ class RewardScorer:
                 f"{len(prompts)} prompts, {n} responses and {len(examples)} examples differ"
             )
         # Started first: the reward models score while the pool runs the functions.
-        model_refs = [(i, actor.score.remote(prompts, responses)) for i, actor in self._models]
+        model_refs = [(m, m.actor.score.remote(prompts, responses)) for m in self._models]
         scores = torch.zeros(len(self.cfg.terms), n, dtype=torch.float64)
         counts = {"error": 0, "timeout": 0}
         if self._pool is not None and n:
@@ -113,13 +184,18 @@ class RewardScorer:
                     counts[result.kind] += 1
                 elif result is not None:
                     scores[index, sample] = result
-        for index, ref in model_refs:
-            scores[index] = torch.tensor(ray.get(ref), dtype=torch.float64)
+        actor_errors = 0
+        for model, ref in model_refs:
+            values, deaths = self._model_scores(model, ref, prompts, responses)
+            scores[model.index] = torch.tensor(values, dtype=torch.float64)
+            actor_errors += deaths
         rewards = (self._weights @ scores).float()
         means = scores.mean(dim=1).tolist() if n else [0.0] * len(self.labels)
         metrics = {f"reward/{label}_mean": m for label, m in zip(self.labels, means, strict=True)}
         metrics["reward/errors"] = float(counts["error"])
         metrics["reward/timeouts"] = float(counts["timeout"])
+        if self._models:  # only then: runs without reward models keep their metrics as they were
+            metrics["reward/model_actor_errors"] = float(actor_errors)
         return rewards, metrics
 
     def close(self) -> None:
@@ -127,8 +203,8 @@ class RewardScorer:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        for _, actor in self._models:
-            ray.kill(actor)
+        for model in self._models:
+            ray.kill(model.actor)
         self._models = []
 
     def __enter__(self) -> RewardScorer:

@@ -121,3 +121,25 @@ def test_help_config_lists_every_key_with_type_default_and_description() -> None
     assert result.returncode == 0
     assert "trainer.lr: float = 1e-05  # AdamW learning rate" in result.stdout
     assert "model.path: str = (required)" in result.stdout
+
+
+def test_a_bad_data_row_is_named_by_file_and_line_before_anything_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": " ", "answer": "3"}\n')
+    test.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    files = [f"data.train_files=[{train}]", f"data.test_files=[{test}]"]
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", *files)
+    assert result.returncode == 2
+    assert f"data file {train} line 2: 'prompt' is empty" in result.stderr
+    assert "data.bad_rows=skip" in result.stderr
+
+
+def test_a_missing_resume_checkpoint_is_named_before_anything_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "checkpoints" / "step_000009"
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", "--resume", str(missing))
+    assert result.returncode == 2
+    assert f"checkpoint {missing} does not exist" in result.stderr

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from rl import data
-from rl.config import DataConfig
-from rl.data import PromptStream, load_split, prepare_splits, split_dir
+from rl.config import Config, DataConfig
+from rl.data import (
+    PromptStream,
+    filter_long_prompts,
+    load_examples,
+    load_split,
+    prepare_splits,
+    prompt_lengths,
+    prompt_token_limit,
+    split_dir,
+)
 from rl.prompts import encode_prompt
 
 
@@ -189,3 +199,174 @@ def test_encode_prompt_without_template_falls_back_to_raw_text(
         ids = encode_prompt(tok, "12+34")
     assert ids == tok.encode("12+34") and tok.decode(ids) == "12+34"
     assert "no chat template" in caplog.text
+
+
+GOOD = '{"prompt": "1+1", "answer": "2"}'
+
+
+def _user_files(tmp_path: Path, train: list[str], test: list[str], **overrides) -> DataConfig:
+    """A config reading jsonl files whose lines are `train` / `test` (one file each)."""
+    files = {}
+    for split, lines in (("train", train), ("test", test)):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(line + "\n" for line in lines))
+    return DataConfig(
+        dir=str(tmp_path / "generated"),
+        train_files=[str(files["train"])],
+        test_files=[str(files["test"])],
+        **overrides,
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ('{"answer": "2"}', "'prompt' is missing"),
+        ('{"prompt": null, "answer": "2"}', "'prompt' is null"),
+        ('{"prompt": "1+1"}', "'answer' is missing"),
+        ('{"prompt": "1+1", "answer": null}', "'answer' is null"),
+        ('{"prompt": "", "answer": "2"}', "'prompt' is empty"),
+        ('{"prompt": " \\n\\t", "answer": "2"}', "'prompt' is empty"),
+    ],
+)
+def test_bad_row_error_names_the_file_and_line(tmp_path: Path, bad: str, problem: str) -> None:
+    # The blank line is skipped by the reader but still counts as a line of the user's file.
+    cfg = _user_files(tmp_path, [GOOD, "", GOOD, bad, GOOD], [GOOD])
+    with pytest.raises(ValueError) as err:
+        load_examples(cfg, "train")
+    assert str(err.value) == (
+        f"data file {tmp_path / 'train.jsonl'} line 4: {problem}; fix the row or set "
+        "data.bad_rows=skip to skip such rows"
+    )
+    assert len(load_examples(cfg, "test").dataset) == 1  # the test file is fine
+
+
+def test_bad_row_in_a_later_file_names_that_file(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(f"{GOOD}\n{GOOD}\n")
+    second.write_text(f'{GOOD}\n{{"prompt": "  ", "answer": "1"}}\n{{"answer": "1"}}\n')
+    cfg = DataConfig(train_files=[str(first), str(second)], test_files=[str(first)])
+    with pytest.raises(ValueError, match=rf"^data file {second} line 2: 'prompt' is empty \(2 "):
+        load_examples(cfg, "train")
+
+
+def test_bad_row_in_parquet_names_the_row_index(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": None, "answer": "3"}]
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    cfg = DataConfig(train_files=[str(path)], test_files=[str(path)])
+    with pytest.raises(ValueError, match=rf"^data file {path} row index 1: 'prompt' is missing"):
+        load_examples(cfg, "train")
+    skipped = load_examples(cfg.model_copy(update={"bad_rows": "skip"}), "test")
+    assert list(skipped.dataset) == rows[:1] and skipped.skipped_rows == 1
+
+
+def test_skip_mode_drops_exactly_the_bad_rows_and_counts_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    row = lambda p, a: json.dumps({"prompt": p, "answer": a})  # noqa: E731
+    first.write_text("\n".join([row("q0", "0"), row("", "1"), row("q2", "2")]) + "\n")
+    second.write_text("\n".join([row(None, "3"), row("q4", None), row("q5", "5")]) + "\n")
+    cfg = DataConfig(
+        train_files=[str(first), str(second)], test_files=[str(first)], bad_rows="skip"
+    )
+    with caplog.at_level(logging.WARNING, logger="rl.data"):
+        examples = load_examples(cfg, "train")
+    assert [r["prompt"] for r in examples.dataset] == ["q0", "q2", "q5"]
+    assert examples.skipped_rows == 3
+    assert examples.source == f"{first}, {second}"
+    assert f"data file {first}: skipped 1 bad rows" in caplog.text
+    assert f"data file {second}: skipped 2 bad rows" in caplog.text
+    assert "line 1: 'prompt' is null" in caplog.text
+    assert [r["prompt"] for r in load_split(cfg, "train")] == ["q0", "q2", "q5"]
+
+
+def test_a_split_with_no_usable_rows_is_an_error(tmp_path: Path) -> None:
+    cfg = _user_files(tmp_path, ['{"prompt": "", "answer": "1"}'], [GOOD], bad_rows="skip")
+    with pytest.raises(ValueError, match="train split at .* no rows left after skipping 1 bad"):
+        load_examples(cfg, "train")
+    cfg = _user_files(tmp_path, [], [GOOD])
+    with pytest.raises(ValueError, match="train split at .*train.jsonl is empty"):
+        load_examples(cfg, "train")
+
+
+def test_file_level_type_errors_name_the_files(tmp_path: Path) -> None:
+    cfg = _user_files(tmp_path, ['{"prompt": 12, "answer": "1"}'], [GOOD])
+    with pytest.raises(ValueError, match="train.jsonl: 'prompt' must be text"):
+        load_examples(cfg, "train")
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "1+1", "answer": 2}\n')
+    cfg = DataConfig(train_files=[cfg.test_files[0], str(other)], test_files=[str(other)])
+    with pytest.raises(ValueError, match=r"data files .*test.jsonl, .*other.jsonl differ"):
+        load_examples(cfg, "train")
+
+
+def test_generated_splits_pass_the_same_checks(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    examples = load_examples(cfg, "train")
+    assert examples.skipped_rows == 0 and len(examples.dataset) == 300
+    assert examples.source == str(prepare_splits(cfg)["train"])
+
+
+def _config(max_model_len: int = 100, max_new_tokens: int = 20, max_prompt_tokens: int = 0):
+    return Config(
+        model={"path": "unused"},
+        rollout={"max_model_len": max_model_len, "max_new_tokens": max_new_tokens},
+        data={"max_prompt_tokens": max_prompt_tokens},
+    )
+
+
+def test_prompt_token_limit_resolution_and_errors() -> None:
+    assert prompt_token_limit(_config()) == 80
+    assert prompt_token_limit(_config(max_prompt_tokens=30)) == 30
+    assert prompt_token_limit(_config(max_prompt_tokens=80)) == 80
+    with pytest.raises(ValueError, match=r"data.max_prompt_tokens=81 exceeds .* = 80"):
+        prompt_token_limit(_config(max_prompt_tokens=81))
+    with pytest.raises(ValueError, match=r"data.max_prompt_tokens=-1"):
+        prompt_token_limit(_config(max_prompt_tokens=-1))
+    with pytest.raises(ValueError, match=r"data.max_prompt_tokens resolves to .* = 0 tokens"):
+        prompt_token_limit(_config(max_new_tokens=100))
+
+
+def _by_length(prompts: list[str]) -> list[int]:
+    return [len(p) for p in prompts]
+
+
+def test_filter_long_prompts_drops_and_counts() -> None:
+    import datasets
+
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": "x" * n, "answer": str(n)} for n in (1, 5, 3, 6, 4)]
+    )
+    kept, dropped = filter_long_prompts(dataset, _by_length, 4, "train.jsonl")
+    assert [r["answer"] for r in kept] == ["1", "3", "4"] and dropped == 2
+    assert filter_long_prompts(dataset, _by_length, 6, "train.jsonl") == (dataset, 0)
+    with pytest.raises(ValueError, match=r"all 5 prompts of /d/train.jsonl are longer than 0 "):
+        filter_long_prompts(dataset, _by_length, 0, "/d/train.jsonl")
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_prompt_lengths_match_encode_prompt(tiny_model_dir: Path, template: bool) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if not template:
+        tok.chat_template = None
+    prompts = ["1+2", "123+456=", "", "9" * 40, "7+7 " * 10]
+    assert prompt_lengths(tok, prompts) == [len(encode_prompt(tok, p)) for p in prompts]
+
+
+def test_filter_long_prompts_with_the_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = _user_files(
+        tmp_path, [GOOD, json.dumps({"prompt": "1+" * 50, "answer": "?"}), GOOD], [GOOD]
+    )
+    examples = load_examples(cfg, "train")
+    limit = len(encode_prompt(tok, "1+1"))
+    kept, dropped = filter_long_prompts(
+        examples.dataset, partial(prompt_lengths, tok), limit, examples.source
+    )
+    assert [r["prompt"] for r in kept] == ["1+1", "1+1"] and dropped == 1
+    with pytest.raises(ValueError, match=rf"prompts of {examples.source} are longer than 3 "):
+        filter_long_prompts(examples.dataset, partial(prompt_lengths, tok), 3, examples.source)

@@ -1,0 +1,62 @@
+"""Whole-run checkpoints: the trainer's and critic's shards plus the driver's state.
+
+The driver's state is what it needs to continue exactly: the step, where the prompt stream
+stands at the first group not yet trained (groups in flight are drawn and generated again,
+with the same seeds), the adaptive KL coefficient, and run counters. Written atomically
+through `rl.checkpoint.CheckpointWriter`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rl.checkpoint import CheckpointWriter, checkpoint_root
+from rl.config import Config
+from rl.critic_group import CriticGroup
+from rl.resume import DRIVER_STATE
+from rl.train_group import TrainGroup
+
+
+@dataclass
+class DriverState:
+    step: int
+    first_group_id: int  # the first group no step up to `step` trained on
+    prompt_stream: dict  # PromptStream.state_dict() right before that group was drawn
+    kl_coef: float
+    accuracy_before: float
+    num_nonfinite_in_a_row: int = 0
+
+
+class RunCheckpoints:
+    def __init__(
+        self, cfg: Config, run_dir: Path, trainers: TrainGroup, critic: CriticGroup | None
+    ) -> None:
+        self.cfg = cfg
+        self.writer = CheckpointWriter(checkpoint_root(run_dir), cfg.checkpoint.keep_last)
+        self.trainers, self.critic = trainers, critic
+
+    def save(self, state: DriverState) -> Path:
+        """Write a checkpoint of step `state.step`; on any failure the partial one is
+        deleted and the earlier ones are untouched."""
+        tmp = self.writer.begin(state.step)
+        try:
+            self.trainers.save_checkpoint(tmp / "policy")
+            if self.critic is not None:
+                self.critic.save_checkpoint(tmp / "critic")
+            record = {**asdict(state), "config": self.cfg.model_dump(mode="json")}
+            (tmp / DRIVER_STATE).write_text(json.dumps(record, indent=1))
+            return self.writer.commit(tmp, state.step)
+        except BaseException:
+            self.writer.abort(tmp)
+            raise
+
+    def restore(self, path: Path) -> DriverState:
+        """Load the trainer (and critic) shards of `path`; returns the driver's state."""
+        self.trainers.load_checkpoint(path / "policy")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        record = json.loads((path / DRIVER_STATE).read_text())
+        del record["config"]
+        return DriverState(**record)

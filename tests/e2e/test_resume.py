@@ -1,0 +1,212 @@
+"""Runs that are killed, preempted or fed bad checkpoints, through the real `rl` command.
+
+The reference is one uninterrupted 6-step run. A run killed with SIGKILL after step 4 and
+resumed with `--resume auto` (from its step-3 checkpoint), and a run stopped with SIGTERM and
+resumed, must log exactly the reference's metrics at every step, except measurements of the
+machine (`rl.metrics.is_measurement`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl.checkpoint import list_checkpoints, verify
+from rl.metrics import is_measurement
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GRPO recipe (its SFT base is built by the first run)."""
+    root = tmp_path_factory.mktemp("resume")
+    tree = {
+        "model": {"path": str(root / "base")},
+        "base": {
+            "build_if_missing": True,
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "intermediate_size": 128,
+            "sft_steps": 400,
+            "sft_target_accuracy": 0.3,
+        },
+        "data": {
+            "task": "addition",
+            "num_digits": 2,
+            "dir": str(root / "data"),
+            "num_train": 2000,
+            "num_test": 20,
+        },
+        "rollout": {"num_workers": 1, "kv_cache_gb": 0.25, "max_new_tokens": 6},
+        "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
+        "algorithm": {"group_size": 8},
+        "checkpoint": {"every": 3},
+        "run": {
+            "output_dir": str(root / "runs"),
+            "num_steps": NUM_STEPS,
+            "prompts_per_step": 8,
+            "eval_every": 2,
+            "num_eval_prompts": 8,
+            "wandb_mode": "disabled",
+            "progress_bar": False,
+            "export_hf": False,
+        },
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _command(recipe: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rl.cli", "train", str(recipe), f"run.name={name}", *extra]
+
+
+def _run(recipe: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(recipe, name, *extra), cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+
+
+def _start(recipe: Path, name: str, *extra: str) -> subprocess.Popen:
+    # Its own session, so that a kill reaches the Ray processes it started, as a
+    # preempted machine's would.
+    return subprocess.Popen(
+        _command(recipe, name, *extra),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _run_dir(recipe: Path, name: str) -> Path:
+    return recipe.parent / "runs" / name
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + 600
+    while not any(r["step"] >= step for r in _records(run_dir)):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"step {step} never came"
+        time.sleep(0.1)
+
+
+def _computed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not is_measurement(k)} for r in records]
+
+
+def _assert_same_run(run_dir: Path, reference: list[dict]) -> None:
+    records = _computed(_records(run_dir))
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference, strict=True):
+        differ = {k: (want.get(k), got.get(k)) for k in got.keys() | want.keys()}
+        differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
+        assert not differ, f"step {got['step']} differs (reference, resumed): {differ}"
+
+
+@pytest.fixture(scope="module")
+def reference(recipe: Path) -> list[dict]:
+    result = _run(recipe, "reference")
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = _records(_run_dir(recipe, "reference"))
+    assert [r["step"] for r in records] == list(range(NUM_STEPS + 1))
+    return _computed(records)
+
+
+def test_a_killed_run_resumed_from_its_checkpoint_logs_the_same_metrics_bit_for_bit(
+    recipe: Path, reference: list[dict]
+) -> None:
+    run_dir = _run_dir(recipe, "killed")
+    process = _start(recipe, "killed")
+    _wait_for_step(process, run_dir, 4)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_000003"]
+
+    result = _run(recipe, "killed", "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stdout and "step_000003 at step 3" in result.stdout
+    _assert_same_run(run_dir, reference)
+    final = run_dir / "checkpoints" / "step_000006"
+    assert verify(final)["step"] == NUM_STEPS
+
+
+def test_sigterm_checkpoints_the_step_exits_zero_and_the_run_resumes_exactly(
+    recipe: Path, reference: list[dict]
+) -> None:
+    run_dir = _run_dir(recipe, "preempted")
+    process = _start(recipe, "preempted")
+    _wait_for_step(process, run_dir, 1)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-4000:]
+    assert "SIGTERM: finishing the current step" in stderr
+    stopped_at = _records(run_dir)[-1]["step"]
+    assert stopped_at < NUM_STEPS
+    checkpoint = run_dir / "checkpoints" / f"step_{stopped_at:06d}"
+    assert f"stopped by SIGTERM after step {stopped_at}: checkpoint {checkpoint}" in stdout
+    verify(checkpoint)
+
+    result = _run(recipe, "preempted", "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-4000:]
+    _assert_same_run(run_dir, reference)
+
+
+def test_a_second_signal_exits_at_once_and_leaves_every_checkpoint_whole(recipe: Path) -> None:
+    run_dir = _run_dir(recipe, "impatient")
+    process = _start(recipe, "impatient", "checkpoint.every=1")
+    _wait_for_step(process, run_dir, 2)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    os.killpg(process.pid, signal.SIGKILL)  # the Ray processes it left behind
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "second SIGTERM: exiting now" in stderr
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    assert checkpoints, "no checkpoint was written before the signals"
+    for checkpoint in checkpoints:
+        verify(checkpoint)
+
+
+def test_bad_resume_points_fail_before_any_work_naming_the_problem(
+    recipe: Path, reference: list[dict]
+) -> None:
+    checkpoint = _run_dir(recipe, "reference") / "checkpoints" / f"step_{NUM_STEPS:06d}"
+    missing = _run(recipe, "reference", "--resume", str(checkpoint.parent / "step_999999"))
+    assert missing.returncode == 2
+    assert "step_999999 does not exist" in missing.stderr
+
+    changed = _run(recipe, "reference", "trainer.lr=0.5", "--resume", str(checkpoint))
+    assert changed.returncode == 2
+    assert "trainer.lr: 0.01 -> 0.5" in changed.stderr
+
+    shard = next((checkpoint / "policy").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    corrupt = _run(recipe, "reference", "--resume", str(checkpoint))
+    assert corrupt.returncode == 2
+    assert f"{shard} does not match its sha256 checksum" in corrupt.stderr
