@@ -151,7 +151,8 @@ def prepare_batch(
 class TrainerSide:
     """The policy trainer, critic and weight sync as the scheduler sees them: annotation and
     training run one at a time on a background thread (the trainer ranks do one thing at a
-    time anyway); a weight push is called when neither is running."""
+    time anyway); a weight push, or a lost rollout worker's replacement, is called when
+    neither is running."""
 
     def __init__(
         self,
@@ -189,6 +190,11 @@ class TrainerSide:
 
     def push(self, version: int) -> dict[str, float]:
         return self.weight_sync.push(version)
+
+    def replace_rollout_worker(self, worker: int, version: int) -> None:
+        """A fresh rollout worker for a lost one, serving `version`. Like `push`, on the
+        driver's thread while this side's thread is idle, so the ranks stream that version."""
+        self.weight_sync.replace([worker], version)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

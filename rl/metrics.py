@@ -88,4 +88,6 @@ def is_measurement(key: str) -> bool:
     """Whether metric `key` measures the machine (wall time, throughput, memory) rather than
     the computation: only these differ between two runs of one seed, or a run and its
     resumption."""
-    return key.startswith(("time/", "timing/", "perf/", "run/")) or key.endswith(("_s", "_mb", "seconds"))
+    return key.startswith(("time/", "timing/", "perf/", "run/")) or key.endswith(
+        ("_s", "_mb", "seconds")
+    )

@@ -1,4 +1,8 @@
-"""The driver's view of the rollout workers: create them, spread samples over them, gather."""
+"""The driver's view of the rollout workers: create them, spread samples over them, gather.
+
+A worker whose process dies surfaces as `WorkerLost` from its poll; calls that reach every
+worker (interrupt, memory) skip a dead one, so the scheduler learns of it in one place.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ from concurrent.futures import Future
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 from rl.cluster import Placement
 from rl.config import Config
+from rl.scheduler_ports import WorkerLost
 from rl.types import Sample, SamplingParams, fresh_samples
 from rollout.worker import RolloutWorker
 
@@ -25,7 +31,7 @@ class RolloutGroup:
         # Samples in flight per worker, and the worker of each batch in flight.
         self._num_in_flight = [0] * len(self.workers)
         self._worker_of: dict[int, int] = {}
-        self._polls: list[Future] = []
+        self._polls: list[tuple[int, Future]] = []  # (worker, poll future) not counted yet
         ray.get([worker.ready.remote() for worker in self.workers])
 
     def _start(self, index: int) -> ActorHandle:
@@ -36,8 +42,12 @@ class RolloutGroup:
 
     def restart(self, index: int) -> ActorHandle:
         """Replace worker `index` (dead or not) by a fresh one on the checkpoint's weights
-        (version 0), in the same place; returns it once its engine is up."""
+        (version 0), in the same place; returns it once its engine is up. What the old one
+        had in flight is forgotten: its batches are gone, and the caller starts them again."""
         ray.kill(self.workers[index], no_restart=True)
+        self._num_in_flight[index] = 0
+        self._worker_of = {key: i for key, i in self._worker_of.items() if i != index}
+        self._polls = [(i, future) for i, future in self._polls if i != index]
         self.workers[index] = self._start(index)
         ray.get(self.workers[index].ready.remote())
         return self.workers[index]
@@ -51,8 +61,9 @@ class RolloutGroup:
         on the worker with the fewest samples in flight, one call per worker; returns each
         key's worker. `poll(worker)` hands the batches back as they finish."""
         # Count finished batches here, on the caller's thread, not in Ray's callbacks.
-        for future in [f for f in self._polls if f.done()]:
-            self._polls.remove(future)
+        for polled in [p for p in self._polls if p[1].done()]:
+            self._polls.remove(polled)
+            future = polled[1]
             if future.exception() is None:
                 for key, samples in future.result().items():
                     self._num_in_flight[self._worker_of.pop(key)] -= len(samples)
@@ -69,21 +80,36 @@ class RolloutGroup:
 
     def poll(self, index: int) -> Future:
         """Future of {key: samples} of the batches worker `index` finished since its last
-        poll (at least one)."""
-        future = self.workers[index].poll.remote().future()
-        self._polls.append(future)
+        poll (at least one); it raises WorkerLost if the worker's actor died."""
+        future: Future = Future()
+        self.workers[index].poll.remote().future().add_done_callback(
+            lambda polled: _relay(polled, future, index)
+        )
+        self._polls.append((index, future))
         return future
 
     def interrupt(self) -> int:
         """Abort everything being generated (the futures then return partial samples)."""
-        return sum(ray.get([worker.interrupt.remote() for worker in self.workers]))
+        return sum(self._on_live_workers("interrupt"))
 
     def release_memory(self) -> None:
         """Every engine frees its device memory for a colocated trainer (no-op on CPU)."""
-        ray.get([worker.release_memory.remote() for worker in self.workers])
+        self._on_live_workers("release_memory")
 
     def reclaim_memory(self) -> None:
-        ray.get([worker.reclaim_memory.remote() for worker in self.workers])
+        self._on_live_workers("reclaim_memory")
+
+    def _on_live_workers(self, method: str) -> list:
+        """`method`'s results on every worker that answers: a dead one is skipped, as its
+        poll reports it (WorkerLost) or the next weight push replaces it."""
+        refs = [getattr(worker, method).remote() for worker in self.workers]
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except RayActorError:
+                pass
+        return results
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         """params.n samples per prompt, ordered prompt by prompt; group_id = prompt index.
@@ -102,3 +128,15 @@ class RolloutGroup:
     def versions(self) -> list[int]:
         """The policy version each worker currently serves."""
         return ray.get([worker.version.remote() for worker in self.workers])
+
+
+def _relay(polled: Future, future: Future, index: int) -> None:
+    """On Ray's thread: hand a poll's outcome on, a dead actor as WorkerLost (the scheduler
+    knows no Ray types). An engine that failed raises its own error: that is no lost worker."""
+    error = polled.exception()
+    if isinstance(error, RayActorError):
+        future.set_exception(WorkerLost(index, type(error).__name__))
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(polled.result())

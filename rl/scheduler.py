@@ -9,7 +9,11 @@ have finished under the old weights (partial_rollout="finish") or been aborted, 
 the new ones with their prefix kept ("abort"). With max_staleness = 0 this is the synchronous
 loop: generate, score, train, sync.
 
-The workers are reached through three small ports, so tests drive the same loop with fakes.
+A rollout worker lost mid-generation is replaced on the rollout's weights; its groups start
+again from what the driver holds: fresh samples (same seeds), aborted ones from their prefix.
+
+The workers are reached through three small ports, so tests drive the same loop with fakes;
+they and the loop's `Settings` are in rl.scheduler_ports.
 """
 
 from __future__ import annotations
@@ -18,76 +22,14 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from rl.admission import Admission
 from rl.algorithms import dynamic_sampling_keep
-from rl.config import Config
+from rl.scheduler_ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
 from rl.trace import Trace
 from rl.types import Sample, SamplingParams, fresh_samples
-
-
-class RolloutPort(Protocol):
-    num_workers: int
-
-    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
-        """Start batches of samples under their keys; returns each key's worker."""
-
-    def poll(self, worker: int) -> Future:
-        """Future of {key: samples} of every batch `worker` finished (or aborted) since its
-        last poll, once there is at least one."""
-
-    def interrupt(self) -> int: ...
-
-    def release_memory(self) -> None: ...
-
-    def reclaim_memory(self) -> None: ...
-
-
-class TrainerPort(Protocol):
-    needs_annotation: bool  # proximal/reference log-probs or values are computed before training
-
-    def annotate(self, samples: list[Sample]) -> Future: ...
-
-    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
-
-    def push(self, version: int) -> dict[str, float]: ...
-
-
-class ScorerPort(Protocol):
-    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
-        """Future of (scores per group, metrics of the call) for (samples, example) pairs."""
-
-
-@dataclass
-class Settings:
-    num_steps: int
-    groups_per_step: int
-    group_size: int
-    max_staleness: int = 0
-    partial_rollout: str = "finish"
-    dynamic_sampling: bool = False
-    max_groups_per_step: int = 0  # 0 = groups_per_step
-    # Colocated on-policy on GPUs: the rollout engines free their memory while training.
-    release_memory: bool = False
-
-    @classmethod
-    def from_config(cls, config: Config, use_gpu: bool) -> Settings:
-        algo, sched = config.algorithm, config.scheduler
-        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
-        time_sliced = sched.placement == "colocate" and sched.max_staleness == 0
-        return cls(
-            num_steps=config.run.num_steps,
-            groups_per_step=config.run.prompts_per_step,
-            group_size=algo.group_size,
-            max_staleness=sched.max_staleness,
-            partial_rollout=sched.partial_rollout,
-            dynamic_sampling=algo.dynamic_sampling,
-            max_groups_per_step=rounds * config.run.prompts_per_step,
-            release_memory=time_sliced and use_gpu,
-        )
 
 
 @dataclass
@@ -149,14 +91,20 @@ class Scheduler:
         self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
         self._partial: list[Group] = []  # groups with samples aborted by a sync
         self._interrupted = False
+        # Rollout workers lost while generating and not replaced yet, and the groups that
+        # wait meanwhile (none start: a fresh worker must first get the rollout's weights).
+        self._lost: set[int] = set()
+        self._held: list[Group] = []
+        self._num_lost, self._lost_in_step = 0, 0  # in the run; generating, this step
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._last_step_end = time.perf_counter()
 
     def run(self) -> Iterator[tuple[int, dict[str, float]]]:
         """Train every step; yields (step, metrics) as each step's weights reach the rollout."""
         while self.rollout_version < self.settings.num_steps:
+            self._replace_lost()
             yield from self._sync_if_due()
-            if not self._sync_pending():
+            if not self._sync_pending() and not self._lost:
                 self._admit()
             self._feed_trainer()
             if self.rollout_version == self.settings.num_steps:
@@ -176,14 +124,18 @@ class Scheduler:
             samples = fresh_samples([prompt_ids], self.settings.group_size, [group_id])
             self.admission.start(step, self.rollout_version)
             groups.append(Group(group_id, step, example, samples))
-        self._generate(groups, partial_only=False)
+        self._generate(groups)
 
-    def _generate(self, groups: list[Group], partial_only: bool) -> None:
-        """Start `groups` in one submission (all their samples, or only the aborted ones)."""
+    def _generate(self, groups: list[Group]) -> None:
+        """Start `groups` in one submission: the samples not finished yet (fresh, or aborted
+        with a prefix to resume), or hold them while a lost worker awaits its replacement."""
         if not groups:
             return
+        if self._lost:
+            self._held.extend(groups)
+            return
         batches = {
-            group.group_id: [s for s in group.samples if s.is_partial or not partial_only]
+            group.group_id: [s for s in group.samples if not s.finish_reason or s.is_partial]
             for group in groups
         }
         placed = self.rollout.submit(batches, self.sampling)
@@ -214,7 +166,7 @@ class Scheduler:
             elif self._interrupted:  # resumed under the new weights, after the sync
                 self._partial.append(group)
             else:
-                self._generate([group], partial_only=True)
+                self._generate([group])
         # One scoring call per step, so each step's reward metrics are exactly its own.
         for step, groups in to_score.items():
             self.trace.begin("reward", "reward", step)
@@ -251,11 +203,50 @@ class Scheduler:
             *(group for groups in scoring for group in groups),
             *(group for groups in self._finished.values() for group in groups),
             *self._partial,
+            *self._held,
         ]
         return min((group.group_id for group in waiting), default=self._num_groups)
 
     def _is_generating(self) -> bool:
         return any(self._generating)
+
+    # -- lost rollout workers -----------------------------------------------------------
+
+    def _worker_lost(self, worker: int) -> None:
+        """`worker` died: its groups wait, as the driver holds them (tokens generated there
+        are gone), until a replacement serves the rollout's weights."""
+        self._polled.discard(worker)
+        lost, self._generating[worker] = self._generating[worker], {}
+        for _ in lost:
+            self.trace.end(f"rollout-{worker}", "generate")
+        self._count_lost(1, f"rollout worker {worker} died generating")
+        self._lost_in_step += 1
+        self._lost.add(worker)
+        self._held.extend(lost.values())
+
+    def _count_lost(self, num_lost: int, what: str) -> None:
+        self._num_lost += num_lost
+        if self._num_lost > (cap := self.settings.max_rollout_restarts):
+            raise RuntimeError(
+                f"{what}: {self._num_lost} rollout workers lost in this run, more than "
+                f"faults.max_rollout_restarts = {cap}"
+            )
+
+    def _replace_lost(self) -> None:
+        """Replace lost workers now if the trainer holds the rollout's weights (idle, no step
+        trained since the last sync), then start the held groups. Once a step has trained the
+        trainer holds newer weights: the sync replaces them instead (`_sync_if_due`)."""
+        if not self._lost or self._trainer_busy() or self._sync_pending():
+            return
+        self._replace(self.rollout_version)
+        held, self._held = self._held, []
+        self._generate(held)
+
+    def _replace(self, version: int) -> None:
+        for worker in sorted(self._lost):
+            with self.trace.span(f"rollout-{worker}", "sync", version):
+                self.trainer.replace_rollout_worker(worker, version)
+        self._lost.clear()
 
     # -- training -----------------------------------------------------------------------
 
@@ -323,17 +314,24 @@ class Scheduler:
         for lane in lanes:
             self.trace.begin(lane, "sync", version)
         sync_start = time.perf_counter()
+        if self._lost:  # fresh engines on the base weights: the push brings them to `version`
+            self._replace(0)
         if self.settings.release_memory:
             self.rollout.reclaim_memory()
         metrics = self.trainer.push(version)
+        # Lost during the push (weight_sync/workers_replaced) or generating since the last
+        # step (rollout/workers_replaced): both count against max_rollout_restarts.
+        lost_in_sync = int(metrics.get("weight_sync/workers_replaced", 0))
+        self._count_lost(lost_in_sync, f"rollout workers died receiving version {version}")
+        metrics["rollout/workers_replaced"], self._lost_in_step = float(self._lost_in_step), 0
         metrics["time/sync_s"] = time.perf_counter() - sync_start
         metrics["rollout/version"] = float(version)
         for lane in lanes:
             self.trace.end(lane, "sync")
         self.rollout_version, self._interrupted = version, False
         metrics.update(self.on_version(version))
-        partial, self._partial = self._partial, []
-        self._generate(partial, partial_only=True)
+        waiting, self._partial, self._held = [*self._partial, *self._held], [], []
+        self._generate(waiting)
         now = time.perf_counter()
         metrics.update(self._step_metrics.pop(version))
         metrics.update(self.trace.summary(self._last_step_end, now))
@@ -347,7 +345,13 @@ class Scheduler:
 
     def _complete(self, future: Future) -> None:
         kind, *payload = self._pending.pop(future)
-        result = future.result()
+        try:
+            result = future.result()
+        except WorkerLost:
+            if kind != "generate":
+                raise
+            self._worker_lost(*payload)
+            return
         if kind == "generate":
             self._generated(*payload, result)
         elif kind == "score":

@@ -4,7 +4,8 @@ Per bucket, every trainer rank sends its own FSDP2 rows and every rollout worker
 TP ranks) loads the regions it needs, over the transport of `rl.weight_transport` (shared
 memory on one node, where the next bucket is written while the current one is read; a gloo
 group across nodes). A rollout worker lost mid-update is dropped from it, replaced by a fresh
-engine and sent the whole current version.
+engine and sent the whole current version; one lost while generating is replaced the same way
+(`replace`), when the scheduler finds the trainer idle.
 """
 
 from __future__ import annotations
@@ -143,11 +144,18 @@ class WeightSync:
         Only the shared-memory transport survives a lost member: a gloo group breaks with it,
         and the failed sends fail the sync before this point.
         """
-        lost = self.failed
-        for index in lost:
+        self.replace(self.failed, version)
+
+    def replace(self, indices: list[int], version: int) -> None:
+        """Replace rollout workers `indices` (dead or not) by fresh engines serving `version`,
+        which the trainer ranks must hold (nothing else may run on them meanwhile). Version 0
+        is the checkpoint a fresh engine loads: nothing is sent."""
+        for index in indices:
             self._rollout.restart(index)
-        self._connect(lost)
-        for _ in self.stream(version, lost):
+        self._connect(indices)
+        if version == 0:
+            return
+        for _ in self.stream(version, indices):
             pass
         if self.failed:
             raise RuntimeError(f"rollout workers {self.failed} died again receiving {version}")

@@ -108,6 +108,7 @@ def save_hf_atomic(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

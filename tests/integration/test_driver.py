@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
 from rl.config import Config
-from rl.driver import train
+from rl.driver import RunAborted, train
+from rl.export import export_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -208,3 +214,66 @@ def test_overlapped_runs_stay_within_their_staleness_bound_and_trace_every_phase
     ]:
         assert (lane, phase) in phases, (lane, phase)
     assert 0 < final["run/busy_fraction"] <= 1
+
+
+def test_steps_with_a_nan_loss_are_skipped_and_too_many_stop_the_run_with_a_checkpoint(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    # Finite in the reward worker (which refuses NaN), inf once rewards are float32: every
+    # advantage, loss and gradient is NaN.
+    reward_file = tmp_path / "huge_reward.py"
+    reward_file.write_text("def huge(response, example):\n    return 1e300\n")
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "nan",
+        reward={"terms": [{"name": f"{reward_file}:huge"}]},
+        faults={"max_nonfinite_steps": 2},
+        run={"num_steps": 4},
+    )
+    with pytest.raises(RunAborted, match=r"2 steps in a row \(up to step 2\) had a NaN/inf loss"):
+        _run(cfg)
+    run_dir = Path(cfg.run.output_dir) / "nan"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["actor/nonfinite_skipped"] for r in records[1:]] == [1.0, 1.0]
+    # The checkpoint holds the last good weights: the base's, since no step was taken.
+    exported = export_checkpoint(run_dir / "checkpoints" / "step_000002", tmp_path / "hf")
+    before = load_file(Path(cfg.model.path) / "model.safetensors")
+    after = load_file(exported / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def _kill_a_trainer_rank_after(run_dir: Path, step: int) -> threading.Thread:
+    """Kills the last TrainWorker once step `step`'s checkpoint is in place."""
+
+    def kill() -> None:
+        while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
+            time.sleep(0.05)
+        ranks = [p for p in psutil.process_iter(["cmdline"]) if _is_train_worker(p)]
+        os.kill(ranks[-1].pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _is_train_worker(process: psutil.Process) -> bool:
+    cmdline = process.info["cmdline"] or [""]
+    return cmdline[0].startswith("ray::TrainWorker")
+
+
+def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _config(
+        shared_dir, tmp_path, "trainer-killed", checkpoint={"every": 2}, run={"num_steps": 4}
+    )
+    killer = _kill_a_trainer_rank_after(Path(cfg.run.output_dir) / "trainer-killed", step=2)
+    final, records = _run(cfg)
+    killer.join(timeout=1)
+    assert not killer.is_alive()
+    out = capsys.readouterr().out
+    assert "an actor died (ActorDiedError); rebuilding every role from" in out
+    assert "step_000002 (restart 1/2)" in out
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert final["rollout/version"] == 4

@@ -3,20 +3,25 @@
 The fakes run on threads with random millisecond delays, so completions arrive in every
 order the real workers could produce. Each run checks: no trained sample is more than k
 versions old (by its oldest token), no group is lost, duplicated or trained twice, a resumed
-sample keeps its prefix, and the run terminates.
+sample keeps its prefix, and the run terminates. In some runs rollout workers die at random
+moments mid-generation: they are replaced on the rollout's weights before any work reaches
+them again, and the run goes on, up to faults.max_rollout_restarts.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
 
 from rl.scheduler import Scheduler, Settings
+from rl.scheduler_ports import WorkerLost
 from rl.trace import Trace
 from rl.types import Sample, SamplingParams
 
@@ -40,42 +45,80 @@ def _later(rng: random.Random, max_ms: float, fn) -> Future:
 
 
 class FakeRollout:
-    """Generates token by token on a thread per call; `interrupt` stops calls in flight."""
+    """Generates token by token on a thread per call; `interrupt` stops calls in flight.
 
-    def __init__(self, rng: random.Random, num_workers: int = 2) -> None:
+    Samples are copied on `submit`, as Ray sends them: the driver keeps what it submitted.
+    Up to `max_kills` times a worker dies while generating: its batches vanish and its poll
+    raises WorkerLost until `replace`. A submission kills its worker a moment later with
+    `kill_chance`; with `kill_at_sync`, a generating worker dies as a step finishes training
+    and as generation is interrupted for the sync (so while the sync waits)."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        num_workers: int = 2,
+        kill_chance: float = 0.0,
+        max_kills: int = 0,
+        kill_at_sync: bool = False,
+    ) -> None:
         self.rng = rng
         self.num_workers = num_workers
-        self.version = 0
-        self.num_active = 0
+        self.versions = [0] * num_workers
         self.num_interrupts = 0
         self.asleep = False
         self.aborted_prefixes: dict[tuple[int, int], list[int]] = {}
+        self.kill_chance, self.max_kills, self.kill_at_sync = kill_chance, max_kills, kill_at_sync
+        self.dead = [False] * num_workers
+        # Each kill: (worker, trainer version, newest version served, interrupted) then.
+        self.kills: list[tuple[int, int, int, bool]] = []
+        self.trainer_version: Callable[[], int] = lambda: 0
+        self.scheduler_version: Callable[[], int] = lambda: 0  # the scheduler's rollout_version
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self._done: list[dict[int, list[Sample]]] = [{} for _ in range(num_workers)]
         self._polls: dict[int, Future] = {}
+        self._active = [0] * num_workers  # calls generating per worker
+        self._epoch = [0] * num_workers  # a killed worker's calls belong to an older epoch
+
+    @property
+    def num_active(self) -> int:
+        return sum(self._active)
 
     def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
         assert not self.asleep, "generation started on an engine that released its memory"
         placed = {}
         for key, samples in batches.items():
             worker = placed[key] = self.rng.randrange(self.num_workers)
+            samples = copy.deepcopy(samples)
             for sample in samples:  # as the engine does: an aborted sample resumes
                 assert sample.finish_reason in ("", "abort")
                 sample.finish_reason = ""
             with self._lock:
-                self.num_active += 1
+                if self.dead[worker]:  # not found out yet: the call is lost with the worker
+                    continue
+                assert self.versions[worker] == self.scheduler_version(), (
+                    f"work reached worker {worker} serving version {self.versions[worker]}"
+                )
+                self._active[worker] += 1
+                epoch = self._epoch[worker]
             delays = [self.rng.uniform(0, 1.5) / 1000 for _ in range(MAX_NEW_TOKENS)]
             lengths = [self.rng.randint(1, MAX_NEW_TOKENS) for _ in samples]
             threading.Thread(
-                target=self._generate, args=(worker, key, samples, lengths, delays), daemon=True
+                target=self._generate,
+                args=(worker, epoch, key, samples, lengths, delays),
+                daemon=True,
             ).start()
+            if self.rng.random() < self.kill_chance:
+                threading.Timer(self.rng.uniform(0, 4) / 1000, self.kill, (worker,)).start()
         return placed
 
     def poll(self, worker: int) -> Future:
         """Resolves with every batch the worker finished since the last poll (at least one)."""
         future: Future = Future()
         with self._lock:
+            if self.dead[worker]:
+                future.set_exception(WorkerLost(worker))
+                return future
             self._polls[worker] = future
             self._deliver(worker)
         return future
@@ -87,32 +130,63 @@ class FakeRollout:
             del self._polls[worker]
             future.set_result(finished)
 
-    def _generate(self, worker, key, samples, lengths, delays) -> None:
+    def _generate(self, worker, epoch, key, samples, lengths, delays) -> None:
         for position in range(MAX_NEW_TOKENS):
             time.sleep(delays[position])
+            if self._epoch[worker] != epoch:
+                return  # the worker died: so did this call
             for sample, length in zip(samples, lengths, strict=True):
                 if sample.finish_reason or len(sample.response_ids) >= length:
                     continue
                 if self._interrupted.is_set():
                     sample.finish_reason = "abort"
-                    self.aborted_prefixes[(sample.group_id, sample.index)] = list(
-                        sample.response_ids
-                    )
                     continue
                 sample.response_ids.append(_token(sample, len(sample.response_ids)))
                 sample.logprobs.append(-1.0)
-                sample.token_versions.append(self.version)
+                sample.token_versions.append(self.versions[worker])
         for sample in samples:
             if not sample.finish_reason:
                 sample.finish_reason = "stop"
         with self._lock:
-            self.num_active -= 1
+            if self._epoch[worker] != epoch:
+                return
+            for sample in samples:  # the prefixes the driver gets back
+                if sample.is_partial:
+                    self.aborted_prefixes[(sample.group_id, sample.index)] = [*sample.response_ids]
+            self._active[worker] -= 1
             self._done[worker][key] = samples
             self._deliver(worker)
+
+    def kill(self, worker: int) -> None:
+        """The worker's process dies, if it is generating (and kills are left)."""
+        with self._lock:
+            if self.dead[worker] or not self._active[worker] or len(self.kills) >= self.max_kills:
+                return
+            interrupted = self._interrupted.is_set()
+            self.kills.append((worker, self.trainer_version(), max(self.versions), interrupted))
+            self.dead[worker] = True
+            self._epoch[worker] += 1
+            self._active[worker], self._done[worker] = 0, {}
+            if (future := self._polls.pop(worker, None)) is not None:
+                future.set_exception(WorkerLost(worker))
+
+    def kill_generating(self) -> None:
+        with self._lock:
+            generating = [worker for worker, active in enumerate(self._active) if active]
+        if generating:
+            self.kill(generating[0])
+
+    def replace(self, worker: int, version: int) -> None:
+        with self._lock:
+            assert self.dead[worker], f"worker {worker} replaced, but it was alive"
+            self.dead[worker] = False
+            self.versions[worker] = version
 
     def interrupt(self) -> int:
         self.num_interrupts += 1
         self._interrupted.set()
+        if self.kill_at_sync:
+            self.kill_generating()
         return 0
 
     def release_memory(self) -> None:
@@ -127,8 +201,9 @@ class FakeRollout:
         assert not self.asleep, "weights loaded into an engine that released its memory"
         with self._lock:
             assert self.num_active == 0, "weights changed while samples were generating"
+            assert not any(self.dead), "weights pushed while a lost worker was not replaced"
         self._interrupted.clear()
-        self.version = version
+        self.versions = [version] * self.num_workers
 
 
 @dataclass
@@ -139,13 +214,17 @@ class FakeTrainer:
     trained: dict[int, list[Sample]] = field(default_factory=dict)
     version: int = 0
     rollout_asleep_at_train: list[bool] = field(default_factory=list)
+    replacements: list[tuple[int, int]] = field(default_factory=list)  # (worker, version)
+    running: int = 0  # annotate and train calls not returned yet
 
     def annotate(self, samples: list[Sample]) -> Future:
         version = self.version
+        self.running += 1
 
         def fill() -> list[Sample]:
             for sample in samples:
                 sample.old_logprobs = [float(version)] * len(sample.response_ids)
+            self.running -= 1
             return samples
 
         return _later(self.rng, 2, fill)
@@ -158,9 +237,14 @@ class FakeTrainer:
             # The proximal log-probs come from the weights right before this step.
             assert all(s.old_logprobs == [float(step - 1)] * len(s.response_ids) for s in samples)
 
+        self.running += 1
+
         def step_done() -> dict[str, float]:
             self.trained[step] = samples
             self.version = step
+            self.running -= 1
+            if self.rollout.kill_at_sync:  # the sync is due, and must wait for the loss
+                self.rollout.kill_generating()
             return {"train/loss": 0.0}
 
         return _later(self.rng, 3, step_done)
@@ -169,6 +253,13 @@ class FakeTrainer:
         assert version == self.version
         self.rollout.serve(version)
         return {"sync/s": 0.0}
+
+    def replace_rollout_worker(self, worker: int, version: int) -> None:
+        # Only an idle trainer's weights are a version it can stream (0: the base checkpoint).
+        assert not self.running, "a rollout worker replaced while the trainer was running"
+        assert version in (0, self.version), f"replaced at {version}, trainer at {self.version}"
+        self.replacements.append((worker, version))
+        self.rollout.replace(worker, version)
 
 
 class FakeScorer:
@@ -189,6 +280,10 @@ def _run(
     annotate: bool,
     release_memory: bool = False,
     start_version: int = 0,
+    kill_chance: float = 0.0,
+    max_kills: int = 0,
+    kill_at_sync: bool = False,
+    max_restarts: int = 3,
 ):
     rng = random.Random(seed)
     settings = Settings(
@@ -200,10 +295,12 @@ def _run(
         dynamic_sampling=dynamic,
         max_groups_per_step=6 if dynamic else 3,
         release_memory=release_memory,
+        max_rollout_restarts=max_restarts,
     )
-    rollout = FakeRollout(rng)
-    rollout.version = start_version
+    rollout = FakeRollout(rng, 2, kill_chance, max_kills, kill_at_sync)
+    rollout.versions = [start_version] * rollout.num_workers
     trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
+    rollout.trainer_version = lambda: trainer.version
 
     def next_prompt(group_id: int):
         return {"prompt": str(group_id)}, [group_id % 50 + 1]
@@ -221,18 +318,25 @@ def _run(
         start_version=start_version,
         first_group_id=100 * start_version,
     )
+    rollout.scheduler_version = lambda: scheduler.rollout_version
     logged: list[tuple[int, dict]] = []
+    errors: list[Exception] = []
 
     def run() -> None:
-        for step, metrics in scheduler.run():
-            # Where a checkpoint taken now would resume drawing prompts.
-            metrics["resume/first_group"] = float(scheduler.first_untrained_group())
-            logged.append((step, metrics))
+        try:
+            for step, metrics in scheduler.run():
+                # Where a checkpoint taken now would resume drawing prompts.
+                metrics["resume/first_group"] = float(scheduler.first_untrained_group())
+                logged.append((step, metrics))
+        except Exception as error:  # raised on the test's thread
+            errors.append(error)
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     runner.join(timeout=60)
     assert not runner.is_alive(), "the scheduler did not terminate"
+    if errors:
+        raise errors[0]
     return scheduler, rollout, trainer, logged
 
 
@@ -243,8 +347,15 @@ def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
 ) -> None:
     for seed in range(12):
         dynamic, annotate = seed % 2 == 1, seed % 3 != 0
-        scheduler, rollout, trainer, logged = _run(seed, k, partial, dynamic, annotate)
+        # Rollout workers die in some runs: at random moments, or as syncs come due.
+        kills = [{}, {}, {"kill_chance": 0.2}, {"kill_at_sync": True}][seed % 4]
+        scheduler, rollout, trainer, logged = _run(
+            seed, k, partial, dynamic, annotate, max_kills=3 if kills else 0, **kills
+        )
         assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+        # Every worker lost was replaced once, and counted in its step's metrics.
+        assert len(trainer.replacements) == len(rollout.kills) <= 3
+        assert sum(m["rollout/workers_replaced"] for _, m in logged) == len(rollout.kills)
         assert all(m["eval/version"] == step for step, m in logged)
         seen: set[tuple[int, int]] = set()
         for step, samples in trainer.trained.items():
@@ -334,3 +445,44 @@ def test_time_sliced_engines_release_their_memory_for_every_training_step() -> N
         assert len(logged) == 5
         assert trainer.rollout_asleep_at_train == [True] * 5
         assert not rollout.asleep  # woken for the last sync
+
+
+def test_workers_lost_as_a_sync_comes_due_are_replaced_by_the_sync() -> None:
+    # The sync waits for generation to end: a worker dying then must not stall it, and the
+    # replacement (trained weights not pushed yet) starts on the base ones, then gets the push.
+    lost_pending = lost_interrupted = 0
+    for seed in range(12):
+        _, rollout, trainer, logged = _run(
+            seed, k=2, partial="abort", dynamic=False, annotate=True, max_kills=3, kill_at_sync=True
+        )
+        assert len(logged) == 5
+        lost_pending += sum(trained > served for _, trained, served, _ in rollout.kills)
+        lost_interrupted += sum(interrupted for *_, interrupted in rollout.kills)
+        assert sorted(trainer.replacements) == sorted((worker, 0) for worker, *_ in rollout.kills)
+    assert lost_pending > 0 and lost_interrupted > 0, "no worker died while a sync waited"
+
+
+def test_a_worker_lost_while_the_trainer_is_idle_is_replaced_on_the_rollout_weights() -> None:
+    # On-policy nothing trains while generating: every replacement streams the version the
+    # rollout serves, since the trainer holds just that one.
+    for seed in range(4):
+        _, rollout, trainer, logged = _run(
+            seed, k=0, partial="finish", dynamic=False, annotate=False, kill_chance=0.3, max_kills=3
+        )
+        assert len(logged) == 5 and rollout.kills
+        lost = [(worker, served) for worker, _, served, _ in rollout.kills]
+        assert sorted(trainer.replacements) == sorted(lost)
+
+
+def test_losing_more_rollout_workers_than_the_cap_fails_the_run() -> None:
+    with pytest.raises(RuntimeError, match=r"rollout worker \d died generating: 2 rollout .*= 1"):
+        _run(
+            seed=0,
+            k=1,
+            partial="finish",
+            dynamic=False,
+            annotate=False,
+            kill_chance=1.0,
+            max_kills=10,
+            max_restarts=1,
+        )
