@@ -1,7 +1,7 @@
 """The one typed config tree. A recipe YAML fills it; `key=value` overrides patch it.
 
-Every field has a single definition here with a one-line description, which is what
-`rl train --help-config` prints. Unknown keys are errors (extra="forbid").
+Every field has a single definition here (the run-level sections in rl.run_config) with a
+one-line description, which is what `rl train --help-config` prints. Unknown keys are errors (extra="forbid").
 """
 
 from __future__ import annotations
@@ -9,17 +9,21 @@ from __future__ import annotations
 import fnmatch
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rl.run_config import (
+    CheckpointConfig,
+    FaultsConfig,
+    RunConfig,
+    SchedulerConfig,
+    Section,
+)
 
 # Off-policy corrections that weigh tokens without dropping any (see rl.algorithms).
 MASK_KEEPING_CORRECTIONS = ("token-tis", "seq-tis", "decoupled")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field(
         description="Local Hugging Face causal-LM directory (config, safetensors, tokenizer)."
     )
@@ -46,7 +50,7 @@ class ModelConfig(_Section):
         return matched
 
 
-class BaseBuildConfig(_Section):
+class BaseBuildConfig(Section):
     """The tiny pretrained checkpoint the CPU recipes build for themselves (`rl build-base`)."""
 
     build_if_missing: bool = Field(
@@ -79,7 +83,7 @@ class BaseBuildConfig(_Section):
     )
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     task: str = Field("addition", description="Task name from rl.tasks (addition, countdown).")
     dir: str = Field(
         ".cache/data", description="Where generated train/test jsonl splits are written and read."
@@ -116,7 +120,7 @@ class DataConfig(_Section):
     )
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Literal["vllm"] = Field("vllm", description="Rollout engine.")
     num_workers: int = Field(1, description="RolloutWorker actors, one engine each.")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism inside each worker.")
@@ -145,7 +149,7 @@ class RolloutConfig(_Section):
     )
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     num_workers: int = Field(
         2, description="TrainWorker actors in one torch.distributed group (FSDP2 ranks)."
     )
@@ -171,7 +175,7 @@ class TrainerConfig(_Section):
     num_threads: int = Field(1, description="torch intra-op threads per trainer rank on CPU.")
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """Advantages, policy loss, KL control and off-policy correction (names from rl.algorithms)."""
 
     group_size: int = Field(8, description="Responses sampled per prompt (G).")
@@ -247,7 +251,7 @@ class AlgorithmConfig(_Section):
     overlong_penalty: float = Field(1.0, description="Overlong shaping: the largest penalty.")
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     """The PPO value model: its own FSDP2 group and optimizer (used when advantage=gae)."""
 
     path: str = Field(
@@ -262,7 +266,7 @@ class CriticConfig(_Section):
     )
 
 
-class RewardTermConfig(_Section):
+class RewardTermConfig(Section):
     """One reward: a verifier, a user's function or a reward model, with a weight."""
 
     name: str = Field(
@@ -274,7 +278,7 @@ class RewardTermConfig(_Section):
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     terms: list[RewardTermConfig] = Field(
         default_factory=lambda: [RewardTermConfig()],
         description="Rewards summed with their weights.",
@@ -290,93 +294,7 @@ class RewardConfig(_Section):
     model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
 
 
-class SchedulerConfig(_Section):
-    """Where roles run on the device pool, and how far generation may run ahead of training."""
-
-    placement: Literal["colocate", "split"] = Field(
-        "colocate",
-        description="colocate: every role shares every device, time-sliced; split: rollout and "
-        "trainer get disjoint devices.",
-    )
-    rollout_devices: int = Field(
-        0,
-        description="split: devices for the rollout workers (0 = rollout.num_workers x "
-        "tensor_parallel_size).",
-    )
-    trainer_devices: int = Field(
-        0,
-        description="split: devices the trainer ranks (and critic, reward models) share "
-        "(0 = trainer.num_workers).",
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="k: a trained sample's oldest token is at most k policy versions old; 0 = "
-        "on-policy, k >= 1 generates the next steps while the trainer trains.",
-    )
-    partial_rollout: Literal["finish", "abort"] = Field(
-        "finish",
-        description="At a weight sync, generations in flight finish under the old weights, or "
-        "are aborted and resumed under the new ones with their prefix kept.",
-    )
-
-
-class RunConfig(_Section):
-    name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")
-    output_dir: str = Field("runs", description="Parent of run directories.")
-    seed: int = Field(0, description="Seed for prompt order, sampling and initialisation.")
-    num_steps: int = Field(20, description="RL steps (generate, score, train, sync).")
-    prompts_per_step: int = Field(
-        32, description="Prompts per step; each gets group_size responses."
-    )
-    eval_every: int = Field(
-        10, description="Evaluate held-out greedy accuracy every N steps (0 = start/end only)."
-    )
-    num_eval_prompts: int = Field(200, description="Held-out prompts per evaluation.")
-    export_hf: bool = Field(
-        True, description="Export the final policy as an HF checkpoint in the run directory."
-    )
-    wandb_mode: Literal["offline", "online", "disabled"] = Field(
-        "offline", description="wandb mode."
-    )
-    wandb_project: str = Field("tandem", description="wandb project.")
-    progress_bar: bool = Field(True, description="Show a progress bar on the console.")
-
-
-class CheckpointConfig(_Section):
-    """Checkpoints that continue a run exactly (`rl train RECIPE --resume auto|PATH`)."""
-
-    every: int = Field(
-        0, description="Write a checkpoint every N steps (0 = only at the end and on preemption)."
-    )
-    keep_last: int = Field(2, description="Checkpoints kept in run_dir/checkpoints (>= 1).")
-    save_final: bool = Field(True, description="Write a checkpoint after the last step.")
-
-
-class FaultsConfig(_Section):
-    """How many failures a run absorbs before it stops, loudly."""
-
-    max_trainer_restarts: int = Field(
-        2,
-        description="A trainer or critic rank that dies: rebuild every role from the last "
-        "checkpoint, at most this many times per run.",
-    )
-    max_rollout_restarts: int = Field(
-        3,
-        description="A rollout worker that dies: restart it on the current weights and "
-        "regenerate its prompts, at most this many times per run.",
-    )
-    reward_model_retries: int = Field(
-        2, description="A reward-model actor that dies: restart it and retry a call this often."
-    )
-    max_nonfinite_steps: int = Field(
-        3,
-        description="Steps with a NaN/inf loss or gradient are skipped; this many in a row "
-        "stop the run with a checkpoint of the last good state.",
-    )
-
-
-class Config(_Section):
+class Config(Section):
     model: ModelConfig
     base: BaseBuildConfig = BaseBuildConfig()
     data: DataConfig = DataConfig()

@@ -34,8 +34,6 @@ SPLITS = ("train", "test")
 FORMAT_VERSION = 1
 # Rounds of generation allowed to find enough distinct prompts before giving up.
 _MAX_ROUNDS = 50
-# Prompts per tokenizer call when measuring lengths: fast, with bounded memory.
-_ENCODE_BATCH = 4096
 
 
 def split_dir(cfg: DataConfig) -> Path:
@@ -277,23 +275,10 @@ def prompt_token_limit(cfg: Config) -> int:
 
 
 def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[int]:
-    """`len(encode_prompt(tokenizer, p))` for each of `prompts`, tokenised in batches (several
-    times faster than one call per prompt); tests hold the two equal."""
-    lengths: list[int] = []
-    for start in range(0, len(prompts), _ENCODE_BATCH):
-        batch = prompts[start : start + _ENCODE_BATCH]
-        if tokenizer.chat_template is None:  # encode_prompt's raw fallback
-            ids = tokenizer(batch, return_attention_mask=False)["input_ids"]
-        else:
-            texts = tokenizer.apply_chat_template(
-                [[{"role": "user", "content": p}] for p in batch],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
-            ids = ids["input_ids"]
-        lengths.extend(len(row) for row in ids)
-    return lengths
+    """Token counts of `prompts` as the rollout encodes them (`encode_prompts`)."""
+    from rl.prompts import encode_prompts  # transformers: only once a tokenizer exists
+
+    return [len(ids) for ids in encode_prompts(tokenizer, prompts)]
 
 
 def filter_long_prompts(

@@ -14,17 +14,20 @@ steps whose loss or gradient is not finite are skipped, and too many in a row st
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import datasets
 import ray
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rl.checkpoint import checkpoint_root, newest_valid
 from rl.cluster import init_ray, reserve
 from rl.config import Config
 from rl.critic_group import CriticGroup
 from rl.data import (
+    Examples,
     PromptStream,
     filter_long_prompts,
     load_examples,
@@ -57,10 +60,11 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     """Run `cfg` to the end, from checkpoint `resume_from` if given (see rl.resume); returns
     the last step's metrics (with eval/accuracy_before and the run/* totals)."""
     # Bad config or data rows stop the run here, before a base is built or Ray starts.
-    prompt_token_limit(cfg)
-    for split in ("train", "test"):
-        load_examples(cfg.data, split)
+    limit = prompt_token_limit(cfg)
+    examples = {split: load_examples(cfg.data, split) for split in ("train", "test")}
     ensure_base(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = _Data.of(cfg, examples, tokenizer, limit)
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = StopRequest()
@@ -68,7 +72,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     with stop.installed():
         while True:
             try:
-                return _run(cfg, run_dir, resume_from, stop)
+                return _run(cfg, run_dir, data, tokenizer, resume_from, stop)
             except ray.exceptions.RayActorError as e:
                 num_restarts += 1
                 if num_restarts > cfg.faults.max_trainer_restarts:
@@ -86,23 +90,45 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
                 )
 
 
-def _run(cfg: Config, run_dir: Path, resume_from: Path | None, stop: StopRequest) -> dict:
+@dataclass
+class _Data:
+    """The run's prompts once bad rows and over-long prompts are left out, and those counts."""
+
+    train: datasets.Dataset
+    test_examples: list[dict]
+    counts: dict[str, float]
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Config,
+        examples: dict[str, Examples],
+        tokenizer: PreTrainedTokenizerBase,
+        limit: int,
+    ) -> _Data:
+        splits, counts = {}, {}
+        for split, loaded in examples.items():
+            splits[split], num_long = filter_long_prompts(
+                loaded.dataset, partial(prompt_lengths, tokenizer), limit, loaded.source
+            )
+            counts[f"data/{split}_skipped_rows"] = float(loaded.skipped_rows)
+            counts[f"data/{split}_filtered_long_prompts"] = float(num_long)
+        test_examples = list(splits["test"])[: cfg.run.num_eval_prompts]
+        return cls(splits["train"], test_examples, counts)
+
+
+def _run(
+    cfg: Config,
+    run_dir: Path,
+    data: _Data,
+    tokenizer: PreTrainedTokenizerBase,
+    resume_from: Path | None,
+    stop: StopRequest,
+) -> dict:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     task = get_task(cfg.data.task)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data_counts, splits = {}, {}
-    for split in ("train", "test"):
-        examples = load_examples(cfg.data, split)
-        splits[split], num_long = filter_long_prompts(
-            examples.dataset,
-            partial(prompt_lengths, tokenizer),
-            prompt_token_limit(cfg),
-            examples.source,
-        )
-        data_counts[f"data/{split}_skipped_rows"] = float(examples.skipped_rows)
-        data_counts[f"data/{split}_filtered_long_prompts"] = float(num_long)
-    prompts_stream = PromptStream(splits["train"], seed=cfg.run.seed)
-    test_examples = list(splits["test"])[: cfg.run.num_eval_prompts]
+    prompts_stream = PromptStream(data.train, seed=cfg.run.seed)
+    test_examples = data.test_examples
     init_ray()
     stop.install()
     placement = reserve(cfg)
@@ -154,7 +180,7 @@ def _run(cfg: Config, run_dir: Path, resume_from: Path | None, stop: StopRequest
         )
         if state is None:
             kl_coef = trainer_side.kl_controller.coef
-            accuracy = loop.accuracy_before(data_counts)
+            accuracy = loop.accuracy_before(data.counts)
             state = DriverState(0, 0, prompts_stream.state_dict(), kl_coef, accuracy)
         elif state.step:
             logger.print(f"resumed from {resume_from} at step {state.step}")
@@ -232,7 +258,7 @@ class _Loop:
         self,
         cfg: Config,
         rollout: RolloutGroup,
-        tokenizer: AutoTokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         task: object,
         test_examples: list[dict],
         prompts_stream: PromptStream,

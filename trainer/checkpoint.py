@@ -83,6 +83,11 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     }
 
 
+def _shapes(model_state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Full (global) shape of every tensor; what a resume checks the model against."""
+    return {name: list(t.shape) for name, t in model_state.items()}
+
+
 def save_training_state(
     directory: Path,
     rank: int,
@@ -101,8 +106,7 @@ def save_training_state(
             "lrs": [group["lr"] for group in optimizer.param_groups],
         }
         (directory / "schedule.json").write_text(json.dumps(schedule))
-        shapes = {name: list(t.shape) for name, t in state["model"].items()}
-        (directory / "shapes.json").write_text(json.dumps(shapes))
+        (directory / "shapes.json").write_text(json.dumps(_shapes(state["model"])))
     (directory / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
 
 
@@ -117,7 +121,7 @@ def load_training_state(
     model's are a ValueError naming the checkpoint."""
     state = _tensor_state(model, optimizer)
     saved = json.loads((directory / "shapes.json").read_text())
-    current = {name: list(t.shape) for name, t in state["model"].items()}
+    current = _shapes(state["model"])
     if saved != current:
         different = sorted(
             n for n in saved.keys() | current.keys() if saved.get(n) != current.get(n)

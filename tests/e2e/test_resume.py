@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_runs import tiny_run_tree
 
 from rl.checkpoint import list_checkpoints, verify
 from rl.metrics import is_measurement
@@ -32,40 +33,13 @@ NUM_STEPS = 6
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GRPO recipe (its SFT base is built by the first run)."""
     root = tmp_path_factory.mktemp("resume")
-    tree = {
-        "model": {"path": str(root / "base")},
-        "base": {
-            "build_if_missing": True,
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-            "intermediate_size": 128,
-            "sft_steps": 400,
-            "sft_target_accuracy": 0.3,
-        },
-        "data": {
-            "task": "addition",
-            "num_digits": 2,
-            "dir": str(root / "data"),
-            "num_train": 2000,
-            "num_test": 20,
-        },
-        "rollout": {"num_workers": 1, "kv_cache_gb": 0.25, "max_new_tokens": 6},
-        "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
-        "algorithm": {"group_size": 8},
-        "checkpoint": {"every": 3},
-        "run": {
-            "output_dir": str(root / "runs"),
-            "num_steps": NUM_STEPS,
-            "prompts_per_step": 8,
-            "eval_every": 2,
-            "num_eval_prompts": 8,
-            "wandb_mode": "disabled",
-            "progress_bar": False,
-            "export_hf": False,
-        },
-    }
+    tree = tiny_run_tree(
+        root,
+        root / "runs",
+        "reference",
+        checkpoint={"every": 3},
+        run={"num_steps": NUM_STEPS, "eval_every": 2, "export_hf": False},
+    )
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path

@@ -19,6 +19,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
+from tiny_runs import tiny_run_tree
 
 from rl.config import Config
 from rl.driver import RunAborted, train
@@ -49,45 +50,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(shared: Path, tmp_path: Path, name: str, **sections: dict) -> Config:
-    # A random model never solves a prompt, so every advantage would be 0 and nothing would
-    # train: the first run builds (base.build_if_missing) a small SFT base, right part of the
-    # time on 2-digit addition, that later runs reuse.
-    tree = {
-        "model": {"path": str(shared / "base")},
-        "base": {
-            "build_if_missing": True,
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-            "intermediate_size": 128,
-            "sft_steps": 400,
-            "sft_target_accuracy": 0.3,
-        },
-        "data": {
-            "task": "addition",
-            "num_digits": 2,
-            "dir": str(shared / "data"),
-            "num_train": 2000,
-            "num_test": 20,
-        },
-        "rollout": {"num_workers": 1, "kv_cache_gb": 0.25, "max_new_tokens": 6},
-        "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
-        "algorithm": {"group_size": 8},
-        "run": {
-            "name": name,
-            "output_dir": str(tmp_path / "runs"),
-            "num_steps": 2,
-            "prompts_per_step": 8,
-            "eval_every": 0,
-            "num_eval_prompts": 8,
-            "wandb_mode": "disabled",
-            "progress_bar": False,
-        },
-    }
-    for section, values in sections.items():
-        tree[section] = {**tree.get(section, {}), **values}
-    return Config.model_validate(tree)
+    return Config.model_validate(tiny_run_tree(shared, tmp_path / "runs", name, **sections))
 
 
 def _run(cfg: Config) -> tuple[dict[str, float], list[dict]]:

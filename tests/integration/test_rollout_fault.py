@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from tiny_runs import tiny_run_tree
 
 from rl.config import Config
 from rl.driver import train
@@ -28,39 +29,14 @@ def _config(shared: Path, tmp_path: Path, name: str) -> Config:
     # As tests/integration/test_driver.py: a small SFT base built (base.build_if_missing) so
     # that rewards vary; two rollout workers, so one generates on while the other is lost; the
     # trainer recomputes the proximal log-probs, so a replacement on the wrong weights shows.
-    tree = {
-        "model": {"path": str(shared / "base")},
-        "base": {
-            "build_if_missing": True,
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-            "intermediate_size": 128,
-            "sft_steps": 400,
-            "sft_target_accuracy": 0.3,
-        },
-        "data": {
-            "task": "addition",
-            "num_digits": 2,
-            "dir": str(shared / "data"),
-            "num_train": 2000,
-            "num_test": 20,
-        },
-        "rollout": {"num_workers": 2, "kv_cache_gb": 0.25, "max_new_tokens": 6},
-        "trainer": {"num_workers": 2, "lr": 1e-2, "micro_batch_size": 8},
-        "algorithm": {"group_size": 8, "recompute_old_logprobs": True},
-        "run": {
-            "name": name,
-            "output_dir": str(tmp_path / "runs"),
-            "num_steps": 3,
-            "prompts_per_step": 8,
-            "eval_every": 0,
-            "num_eval_prompts": 8,
-            "wandb_mode": "disabled",
-            "progress_bar": False,
-        },
-    }
+    tree = tiny_run_tree(
+        shared,
+        tmp_path / "runs",
+        name,
+        rollout={"num_workers": 2},
+        algorithm={"recompute_old_logprobs": True},
+        run={"num_steps": 3},
+    )
     return Config.model_validate(tree)
 
 

@@ -1,0 +1,100 @@
+"""The run-level sections of the config tree (rl.config): where roles run and how far
+generation runs ahead, how a run is saved and resumed, which faults it absorbs, and its
+length and reporting. Also the base every section derives from.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SchedulerConfig(Section):
+    """Where roles run on the device pool, and how far generation may run ahead of training."""
+
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: every role shares every device, time-sliced; split: rollout and "
+        "trainer get disjoint devices.",
+    )
+    rollout_devices: int = Field(
+        0,
+        description="split: devices for the rollout workers (0 = rollout.num_workers x "
+        "tensor_parallel_size).",
+    )
+    trainer_devices: int = Field(
+        0,
+        description="split: devices the trainer ranks (and critic, reward models) share "
+        "(0 = trainer.num_workers).",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k: a trained sample's oldest token is at most k policy versions old; 0 = "
+        "on-policy, k >= 1 generates the next steps while the trainer trains.",
+    )
+    partial_rollout: Literal["finish", "abort"] = Field(
+        "finish",
+        description="At a weight sync, generations in flight finish under the old weights, or "
+        "are aborted and resumed under the new ones with their prefix kept.",
+    )
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")
+    output_dir: str = Field("runs", description="Parent of run directories.")
+    seed: int = Field(0, description="Seed for prompt order, sampling and initialisation.")
+    num_steps: int = Field(20, description="RL steps (generate, score, train, sync).")
+    prompts_per_step: int = Field(
+        32, description="Prompts per step; each gets group_size responses."
+    )
+    eval_every: int = Field(
+        10, description="Evaluate held-out greedy accuracy every N steps (0 = start/end only)."
+    )
+    num_eval_prompts: int = Field(200, description="Held-out prompts per evaluation.")
+    export_hf: bool = Field(
+        True, description="Export the final policy as an HF checkpoint in the run directory."
+    )
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="wandb mode."
+    )
+    wandb_project: str = Field("tandem", description="wandb project.")
+    progress_bar: bool = Field(True, description="Show a progress bar on the console.")
+
+
+class CheckpointConfig(Section):
+    """Checkpoints that continue a run exactly (`rl train RECIPE --resume auto|PATH`)."""
+
+    every: int = Field(
+        0, description="Write a checkpoint every N steps (0 = only at the end and on preemption)."
+    )
+    keep_last: int = Field(2, description="Checkpoints kept in run_dir/checkpoints (>= 1).")
+    save_final: bool = Field(True, description="Write a checkpoint after the last step.")
+
+
+class FaultsConfig(Section):
+    """How many failures a run absorbs before it stops, loudly."""
+
+    max_trainer_restarts: int = Field(
+        2,
+        description="A trainer or critic rank that dies: rebuild every role from the last "
+        "checkpoint, at most this many times per run.",
+    )
+    max_rollout_restarts: int = Field(
+        3,
+        description="A rollout worker that dies: restart it on the current weights and "
+        "regenerate its prompts, at most this many times per run.",
+    )
+    reward_model_retries: int = Field(
+        2, description="A reward-model actor that dies: restart it and retry a call this often."
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        description="Steps with a NaN/inf loss or gradient are skipped; this many in a row "
+        "stop the run with a checkpoint of the last good state.",
+    )
