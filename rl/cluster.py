@@ -41,16 +41,18 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it) or start a local one."""
+def init_ray() -> bool:
+    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it) or start a local one.
+    Returns whether this call connected, so the caller knows whose connection to close."""
     if ray.is_initialized():
-        return
+        return False
     address = os.environ.get("RAY_ADDRESS")
     ray.init(
         address=address or None,
         log_to_driver=True,
         include_dashboard=False if not address else None,
     )
+    return True
 
 
 def reserve(cfg: Config, timeout_s: float = 120.0) -> Placement:

@@ -70,24 +70,32 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     stop = StopRequest()
     num_restarts = 0
     with stop.installed():
-        while True:
-            try:
-                return _run(cfg, run_dir, data, tokenizer, resume_from, stop)
-            except ray.exceptions.RayActorError as e:
-                num_restarts += 1
-                if num_restarts > cfg.faults.max_trainer_restarts:
-                    raise RunAborted(
-                        f"a trainer-side actor died {num_restarts} times "
-                        f"(faults.max_trainer_restarts={cfg.faults.max_trainer_restarts}); "
-                        f"last: {e}"
-                    ) from e
-                resume_from, _ = newest_valid(checkpoint_root(run_dir))
-                print(
-                    f"an actor died ({type(e).__name__}); rebuilding every role from "
-                    f"{resume_from or 'the start'} (restart {num_restarts}/"
-                    f"{cfg.faults.max_trainer_restarts})",
-                    flush=True,
-                )
+        connected = init_ray()
+        stop.install()
+        # Ray is shut down inside the block: left to its atexit hook it would run after our
+        # handlers are gone, and a second signal then would kill the process mid-shutdown.
+        try:
+            while True:
+                try:
+                    return _run(cfg, run_dir, data, tokenizer, resume_from, stop)
+                except ray.exceptions.RayActorError as e:
+                    num_restarts += 1
+                    if num_restarts > cfg.faults.max_trainer_restarts:
+                        raise RunAborted(
+                            f"a trainer-side actor died {num_restarts} times "
+                            f"(faults.max_trainer_restarts={cfg.faults.max_trainer_restarts}); "
+                            f"last: {e}"
+                        ) from e
+                    resume_from, _ = newest_valid(checkpoint_root(run_dir))
+                    print(
+                        f"an actor died ({type(e).__name__}); rebuilding every role from "
+                        f"{resume_from or 'the start'} (restart {num_restarts}/"
+                        f"{cfg.faults.max_trainer_restarts})",
+                        flush=True,
+                    )
+        finally:
+            if connected:
+                ray.shutdown()
 
 
 @dataclass
@@ -129,8 +137,6 @@ def _run(
     task = get_task(cfg.data.task)
     prompts_stream = PromptStream(data.train, seed=cfg.run.seed)
     test_examples = data.test_examples
-    init_ray()
-    stop.install()
     placement = reserve(cfg)
     closers = [placement.release]
     try:
@@ -177,6 +183,7 @@ def _run(
             loop.on_version,
             start_version=state.step if state else 0,
             first_group_id=state.first_group_id if state else 0,
+            trained_group_ids=frozenset(state.trained_group_ids if state else ()),
         )
         if state is None:
             kl_coef = trainer_side.kl_controller.coef
@@ -217,6 +224,7 @@ def _train_steps(
         state.num_nonfinite_in_a_row = state.num_nonfinite_in_a_row + 1 if skipped else 0
         state.step, state.kl_coef = step, trainer_side.kl_controller.coef
         state.first_group_id = scheduler.first_untrained_group()
+        state.trained_group_ids = scheduler.trained_from(state.first_group_id)
         state.prompt_stream = loop.stream_state_before(state.first_group_id)
         every = cfg.checkpoint.every
         last = step == cfg.run.num_steps and cfg.checkpoint.save_final

@@ -1,15 +1,17 @@
 """`rl export CHECKPOINT --to DIR`: a checkpoint's policy as a Hugging Face model directory.
 
-A checkpoint holds the policy's tensors (DCP shards) and the run's config, but not the HF
-config, tokenizer or generation config: those come from `model.path`, the base model the run
-started from. So the export builds that model, loads the trained tensors into it through the
-restricted DCP reader, and writes it with the same atomic save the trainer's own export uses,
-in fp32 (the trainer's master weights), so both exports hold the same bytes.
+A checkpoint holds the policy's tensors (DCP shards), the run's config, and a copy of every
+file of the base model (`model.path`) but its weights: HF config, generation config,
+tokenizer, chat template. So a checkpoint exports on its own, after the base has moved or on
+another machine: the export builds the model from those files, loads the trained tensors into
+it through the restricted DCP reader, and writes it with the same atomic save the trainer's
+own export uses, in fp32 (the trainer's master weights), so both exports hold the same bytes.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +31,19 @@ if TYPE_CHECKING:
 
 POLICY_DIR = "policy"
 SHAPES = "shapes.json"
+MODEL_FILES_DIR = "model_files"  # the base model's files but its weights
+# Weights, which the policy shards replace; every other file of the base is small.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def copy_model_files(model_dir: Path, dest: Path) -> None:
+    """Copy the top-level files of HF model `model_dir` to `dest`, weights (and their
+    index files) left out."""
+    dest.mkdir()
+    for file in sorted(model_dir.iterdir()):
+        weights = file.name.endswith(_WEIGHT_SUFFIXES) or file.name.endswith(".index.json")
+        if file.is_file() and not weights:
+            shutil.copy2(file, dest / file.name)
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
@@ -39,8 +54,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     policy = checkpoint / POLICY_DIR
     saved = _saved_shapes(policy)
     _check_out_dir(out_dir, checkpoint, Path(cfg.model.path))
-    model = _base_model(cfg, checkpoint / DRIVER_STATE)
-    tokenizer = _base_tokenizer(cfg, checkpoint / DRIVER_STATE)
+    model, tokenizer = _model_from_files(checkpoint / MODEL_FILES_DIR)
     _load_policy(model, policy, saved)
     from trainer.hf_model import save_hf_atomic
 
@@ -105,57 +119,52 @@ def _check_out_dir(out_dir: Path, checkpoint: Path, base: Path) -> None:
         raise CheckpointError(f"--to {out_dir} is a file; give a directory")
 
 
-def _base_model(cfg: Config, driver_file: Path) -> PreTrainedModel:
-    """The run's base model in fp32 (as the trainer loads it), whose architecture, config
-    and generation config the export keeps; its weights are then replaced."""
-    base = Path(cfg.model.path)
-    if not (base / "config.json").is_file():
+def _model_from_files(files: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model the base's files in `files` describe, in fp32 (as the trainer loads it),
+    with its generation config, and its tokenizer; the weights are replaced next."""
+    if not (files / "config.json").is_file():
         raise CheckpointError(
-            f"model.path={str(base)!r} (from {driver_file}) is not an HF model directory: the "
-            "export takes the config and tokenizer from the base model the run started from; "
-            "restore it there (a relative path is read from the current directory)"
+            f"{files / 'config.json'} is missing: the checkpoint holds no copy of the base "
+            "model's config and tokenizer; export a checkpoint written by this version of "
+            "`rl train`"
         )
     import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-
-
-def _base_tokenizer(cfg: Config, driver_file: Path) -> PreTrainedTokenizerBase:
-    """The base model's tokenizer, chat template included (checkpoints do not copy it)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     try:
-        return AutoTokenizer.from_pretrained(cfg.model.path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"model.path={cfg.model.path!r} (from {driver_file}) has no usable tokenizer ({e}); "
-            "the export copies the tokenizer of the base model the run started from"
-        ) from e
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(files), dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(files)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{files} holds no usable HF config and tokenizer ({e})") from e
+    if (files / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(files)
+    return model, tokenizer
 
 
 def _check_shapes(
-    saved: dict[str, list[int]], target: dict[str, torch.Tensor], shapes_file: Path, base: str
+    saved: dict[str, list[int]], target: dict[str, torch.Tensor], shapes_file: Path, base: Path
 ) -> None:
     """Every checkpoint tensor fits the base model, and every base tensor is in the
     checkpoint or tied to one that is (a tied lm_head may be stored once)."""
     for name, shape in saved.items():
         if name not in target:
             raise CheckpointError(
-                f"{shapes_file}: {name} is not a tensor of model.path={base}; the checkpoint "
-                "belongs to another model"
+                f"{shapes_file}: {name} is not a tensor of the model in {base}; the "
+                "checkpoint belongs to another model"
             )
         if list(target[name].shape) != shape:
             raise CheckpointError(
                 f"{shapes_file}: {name} has shape {shape} in the checkpoint but "
-                f"{list(target[name].shape)} in model.path={base}; the checkpoint belongs to "
-                "another model"
+                f"{list(target[name].shape)} in the model in {base}; the checkpoint belongs "
+                "to another model"
             )
     stored = {target[name].data_ptr() for name in saved}
     for name, tensor in target.items():
         if name not in saved and tensor.data_ptr() not in stored:
             raise CheckpointError(
-                f"{shapes_file}: the checkpoint lacks {name} of model.path={base}; the "
+                f"{shapes_file}: the checkpoint lacks {name} of the model in {base}; the "
                 "checkpoint belongs to another model"
             )
 
@@ -168,7 +177,7 @@ def _load_policy(model: PreTrainedModel, policy: Path, saved: dict[str, list[int
     from trainer.checkpoint import SafeReader
 
     target = model.state_dict()  # views of the parameters: DCP copies into them
-    _check_shapes(saved, target, policy / SHAPES, str(model.name_or_path))
+    _check_shapes(saved, target, policy / SHAPES, policy.parent / MODEL_FILES_DIR)
     state = {"model": {name: target[name] for name in saved}}
     with warnings.catch_warnings():
         # One process reading every shard is the intent, which DCP warns about.

@@ -1,5 +1,6 @@
 """SIGTERM and SIGINT: the first stops the run after the current step, with a checkpoint;
-the second exits at once (checkpoints are renamed into place whole, so none is damaged)."""
+the second exits at once (checkpoints are renamed into place whole, so none is damaged),
+taking the processes of the local Ray cluster the driver started with it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import psutil
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -20,6 +23,7 @@ class StopRequest:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signal_name is not None:
             print(f"second {signal.Signals(signum).name}: exiting now", file=sys.stderr, flush=True)
+            _kill_descendants()
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
         print(
@@ -49,3 +53,14 @@ class StopRequest:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process this one started, however deep. Exiting at once skips Ray's
+    shutdown; its raylet and actors die with their parent, but its dashboard and runtime-env
+    agents would outlive it. A joined cluster's processes are not our descendants."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:  # exited meanwhile
+            pass

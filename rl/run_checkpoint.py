@@ -2,19 +2,22 @@
 
 The driver's state is what it needs to continue exactly: the step, where the prompt stream
 stands at the first group not yet trained (groups in flight are drawn and generated again,
-with the same seeds), the adaptive KL coefficient, and run counters. Written atomically
+with the same seeds; later groups already trained are drawn and passed over), the adaptive
+KL coefficient, and run counters. With them goes a copy of the base model's files but its
+weights (config, tokenizer), so that `rl export` needs nothing else. Written atomically
 through `rl.checkpoint.CheckpointWriter`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rl.checkpoint import CheckpointWriter, checkpoint_root
 from rl.config import Config
 from rl.critic_group import CriticGroup
+from rl.export import MODEL_FILES_DIR, copy_model_files
 from rl.resume import DRIVER_STATE
 from rl.train_group import TrainGroup
 
@@ -27,6 +30,9 @@ class DriverState:
     kl_coef: float
     accuracy_before: float
     num_nonfinite_in_a_row: int = 0
+    # Groups from first_group_id on that a step up to `step` trained (dynamic sampling can
+    # start a step's replacement group after the next step's first): passed over on resume.
+    trained_group_ids: list[int] = field(default_factory=list)
 
 
 class RunCheckpoints:
@@ -45,6 +51,7 @@ class RunCheckpoints:
             self.trainers.save_checkpoint(tmp / "policy")
             if self.critic is not None:
                 self.critic.save_checkpoint(tmp / "critic")
+            copy_model_files(Path(self.cfg.model.path), tmp / MODEL_FILES_DIR)
             record = {**asdict(state), "config": self.cfg.model_dump(mode="json")}
             (tmp / DRIVER_STATE).write_text(json.dumps(record, indent=1))
             return self.writer.commit(tmp, state.step)

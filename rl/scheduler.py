@@ -57,6 +57,7 @@ class Scheduler:
         on_version: Callable[[int], dict[str, float]] = lambda version: {},
         start_version: int = 0,
         first_group_id: int = 0,
+        trained_group_ids: frozenset[int] = frozenset(),
     ) -> None:
         """`next_prompt(group_id)` gives the (example, prompt ids) of the next group;
         `on_version(v)` runs once the rollout serves version v, with nothing generating
@@ -64,7 +65,10 @@ class Scheduler:
 
         A resumed run starts at `start_version` (trainer and rollout both serve it) with
         group ids from `first_group_id`, which seed the groups' sampling: the groups a
-        checkpoint had not trained are drawn again, and sampled again identically."""
+        checkpoint had not trained are drawn again, and sampled again identically. Groups in
+        `trained_group_ids` (from `first_group_id` on, but trained by a checkpointed step:
+        with dynamic sampling a replacement group can start after the next step's first) have
+        their prompts drawn and passed over, so no prompt is trained twice."""
         self.settings = settings
         self.sampling = sampling
         self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
@@ -81,6 +85,8 @@ class Scheduler:
         self.trainer_version = start_version  # the trainer's weights: steps trained
         self.rollout_version = start_version  # the weights the rollout workers serve
         self._num_groups = first_group_id
+        # Ids of the groups that trained steps consumed (kept or dropped), for checkpoints.
+        self._trained_ids = set(trained_group_ids)
         self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
         # Per rollout worker: group id -> group generating there; and workers being polled.
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
@@ -119,6 +125,9 @@ class Scheduler:
     def _admit(self) -> None:
         groups = []
         while (step := self.admission.next_step(self.rollout_version)) is not None:
+            while self._num_groups in self._trained_ids:  # trained before a resume
+                self.next_prompt(self._num_groups)
+                self._num_groups += 1
             group_id, self._num_groups = self._num_groups, self._num_groups + 1
             example, prompt_ids = self.next_prompt(group_id)
             samples = fresh_samples([prompt_ids], self.settings.group_size, [group_id])
@@ -207,6 +216,12 @@ class Scheduler:
         ]
         return min((group.group_id for group in waiting), default=self._num_groups)
 
+    def trained_from(self, first_group_id: int) -> list[int]:
+        """The ids from `first_group_id` on of groups already trained (a checkpoint's
+        `trained_group_ids`); older ones are forgotten."""
+        self._trained_ids = {i for i in self._trained_ids if i >= first_group_id}
+        return sorted(self._trained_ids)
+
     def _is_generating(self) -> bool:
         return any(self._generating)
 
@@ -290,6 +305,7 @@ class Scheduler:
         self.admission.retire(step)
         finished = self._finished.pop(step, [])
         kept = self._kept.pop(step, [])
+        self._trained_ids.update(group.group_id for group in finished)
         reward_metrics = self._reward_metrics.pop(step, [])
         self._step_metrics[step] = {
             **step_metrics(step, finished, kept, reward_metrics),

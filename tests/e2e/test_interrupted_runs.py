@@ -8,6 +8,7 @@ machine (`rl.metrics.is_measurement`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from tiny_runs import tiny_run_tree
@@ -148,17 +150,39 @@ def test_sigterm_checkpoints_the_step_exits_zero_and_the_run_resumes_exactly(
     _assert_same_run(run_dir, reference)
 
 
-def test_a_second_signal_exits_at_once_and_leaves_every_checkpoint_whole(recipe: Path) -> None:
+def _session_processes(session_id: int) -> list[str]:
+    """The live processes of session `session_id` (what a run started with it), by name."""
+    found = []
+    for process in psutil.process_iter(["name", "status"]):
+        try:
+            if os.getsid(process.pid) == session_id and process.status() != "zombie":
+                found.append(process.name())
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
+
+
+def test_a_second_signal_exits_at_once_leaving_no_process_and_every_checkpoint_whole(
+    recipe: Path,
+) -> None:
     run_dir = _run_dir(recipe, "impatient")
     process = _start(recipe, "impatient", "checkpoint.every=1")
-    _wait_for_step(process, run_dir, 2)
-    process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    os.killpg(process.pid, signal.SIGKILL)  # the Ray processes it left behind
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "second SIGTERM: exiting now" in stderr
+    try:
+        _wait_for_step(process, run_dir, 2)
+        # To the driver alone, as a user's Ctrl-C twice or a scheduler's signals reach it.
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+        assert "second SIGTERM: exiting now" in stderr
+        deadline = time.monotonic() + 10
+        while (left := _session_processes(process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"processes outlived the driver: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert checkpoints, "no checkpoint was written before the signals"
     for checkpoint in checkpoints:

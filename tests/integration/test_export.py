@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.checkpoint import CheckpointError, CheckpointWriter, checkpoint_root
 from rl.config import Config
-from rl.export import export_checkpoint
+from rl.export import MODEL_FILES_DIR, copy_model_files, export_checkpoint
 from rl.types import Batch
 from tests.conftest import build_checkpoint
 from trainer.policy import PolicyTrainer
@@ -67,7 +68,8 @@ def runs(
     tiny_model_dir: Path, tiny_tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """ "untied"/"tied" -> a run directory holding checkpoints/step_000003 (committed, with
-    driver.json) and live_hf (the trainer's export at the checkpoint's weights)."""
+    driver.json and the base's files, as `rl train` writes them) and live_hf (the trainer's
+    export at the checkpoint's weights)."""
     jobs, commits, out = [], [], {}
     for kind, model_dir in (("untied", tiny_model_dir), ("tied", tiny_tied_model_dir)):
         run_dir = tmp_path_factory.mktemp(f"run-{kind}")
@@ -76,6 +78,7 @@ def runs(
         )
         writer = CheckpointWriter(checkpoint_root(run_dir), keep_last=2)
         step_dir = writer.begin(STEP)
+        copy_model_files(model_dir, step_dir / MODEL_FILES_DIR)
         jobs.append((cfg, step_dir))
         commits.append((writer, step_dir, cfg))
         out[kind] = run_dir
@@ -170,10 +173,11 @@ def _vllm_greedy(jobs: list[tuple[Path, list[list[int]]]]) -> list[list[list[int
     return json.loads(line.removeprefix("RESULT "))
 
 
-def _assert_same_weights(exported: Path, live: Path, base: Path) -> None:
-    """Every exported tensor is the live export's, bit for bit. The live export also
-    stores a tied lm_head; the export leaves it out (the HF convention for tied
-    checkpoints), so it must equal the embedding the model reads it from."""
+def _assert_same_weights(exported: Path, live: Path, base: Path | None) -> None:
+    """Every exported tensor is the live export's, bit for bit, and (when `base` is given)
+    some differ from the base's. The live export also stores a tied lm_head; the export
+    leaves it out (the HF convention for tied checkpoints), so it must equal the embedding
+    the model reads it from."""
     got = load_file(exported / "model.safetensors")
     want = load_file(live / "model.safetensors")
     for name, tensor in got.items():
@@ -183,8 +187,9 @@ def _assert_same_weights(exported: Path, live: Path, base: Path) -> None:
         config = json.loads((exported / "config.json").read_text())
         assert name == "lm_head.weight" and config["tie_word_embeddings"], name
         assert torch.equal(want[name], got["model.embed_tokens.weight"])
-    before = load_file(base / "model.safetensors")
-    assert any(not torch.equal(before[name], tensor) for name, tensor in got.items())
+    if base is not None:
+        before = load_file(base / "model.safetensors")
+        assert any(not torch.equal(before[name], tensor) for name, tensor in got.items())
     for name in ("config.json", "generation_config.json"):
         assert json.loads((exported / name).read_text()) == json.loads((live / name).read_text())
 
@@ -246,22 +251,51 @@ def test_a_checkpoint_without_manifest_is_refused(runs: dict[str, Path], tmp_pat
     assert not out_dir.exists()
 
 
+def _recommitted(run: Path, tmp_path: Path, edit: Callable[[Path], None]) -> Path:
+    """The run's checkpoint copied under `tmp_path`, changed by `edit(step_dir)` and
+    committed again (a fresh manifest), as a checkpoint written that way would be."""
+    writer = CheckpointWriter(tmp_path / "checkpoints", keep_last=1)
+    step_dir = writer.begin(STEP)
+    shutil.copytree(_checkpoint(run), step_dir, dirs_exist_ok=True)
+    (step_dir / "manifest.json").unlink()
+    edit(step_dir)
+    return writer.commit(step_dir, STEP)
+
+
+def test_a_checkpoint_exports_on_its_own_once_its_base_model_is_gone(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    def base_moved_away(step_dir: Path) -> None:
+        driver_state = json.loads((step_dir / "driver.json").read_text())
+        driver_state["config"]["model"]["path"] = str(tmp_path / "no-such-base")
+        (step_dir / "driver.json").write_text(json.dumps(driver_state))
+
+    checkpoint = _recommitted(runs["tied"], tmp_path, base_moved_away)
+    out_dir = export_checkpoint(checkpoint, tmp_path / "exported")
+    _assert_same_weights(out_dir, runs["tied"] / "live_hf", None)
+    assert AutoTokenizer.from_pretrained(out_dir).chat_template
+
+
 def test_a_checkpoint_of_another_model_or_a_risky_destination_is_refused(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
-    # The same checkpoint re-committed with driver.json naming a wider base model.
+    # The same tensors, filed with the config of a wider model.
     other = build_checkpoint(tmp_path / "wider", "qwen2", False, hidden_size=128)
-    writer = CheckpointWriter(tmp_path / "checkpoints", keep_last=1)
-    step_dir = writer.begin(STEP)
-    shutil.copytree(_checkpoint(runs["untied"]), step_dir, dirs_exist_ok=True)
-    (step_dir / "manifest.json").unlink()
-    driver_state = json.loads((step_dir / "driver.json").read_text())
-    driver_state["config"]["model"]["path"] = str(other)
-    (step_dir / "driver.json").write_text(json.dumps(driver_state))
-    checkpoint = writer.commit(step_dir, STEP)
+
+    def wider_config(step_dir: Path) -> None:
+        shutil.copy(other / "config.json", step_dir / MODEL_FILES_DIR / "config.json")
+
+    checkpoint = _recommitted(runs["untied"], tmp_path, wider_config)
     with pytest.raises(CheckpointError, match=r"policy/shapes\.json: .* belongs to another model"):
         export_checkpoint(checkpoint, tmp_path / "exported")
     assert not (tmp_path / "exported").exists()
+
+    # A checkpoint without the base's files names what is missing.
+    checkpoint = _recommitted(
+        runs["untied"], tmp_path, lambda step_dir: shutil.rmtree(step_dir / MODEL_FILES_DIR)
+    )
+    with pytest.raises(CheckpointError, match=rf"{MODEL_FILES_DIR}/config\.json is missing"):
+        export_checkpoint(checkpoint, tmp_path / "exported")
 
     # Replacing a directory that is not an HF model (say `--to .`) would destroy it.
     (tmp_path / "notes").mkdir()

@@ -61,10 +61,7 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_the_run_complete
         return placed
 
     monkeypatch.setattr(RolloutGroup, "submit", submit_then_kill)
-    try:
-        final = train(cfg)
-    finally:
-        ray.shutdown()
+    final = train(cfg)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -34,6 +34,7 @@ def _run(
     max_kills: int = 0,
     kill_at_sync: bool = False,
     max_restarts: int = 3,
+    trained_group_ids: frozenset[int] = frozenset(),
 ):
     rng = random.Random(seed)
     settings = Settings(
@@ -52,7 +53,10 @@ def _run(
     trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
     rollout.trainer_version = lambda: trainer.version
 
+    drawn: list[int] = []  # group ids in the order their prompts were drawn
+
     def next_prompt(group_id: int):
+        drawn.append(group_id)
         return {"prompt": str(group_id)}, [group_id % 50 + 1]
 
     trace = Trace({"rollout-0": [0], "rollout-1": [0], "trainer": [0], "reward": []})
@@ -67,6 +71,7 @@ def _run(
         on_version=lambda version: {"eval/version": float(version)},
         start_version=start_version,
         first_group_id=100 * start_version,
+        trained_group_ids=trained_group_ids,
     )
     rollout.scheduler_version = lambda: scheduler.rollout_version
     logged: list[tuple[int, dict]] = []
@@ -75,8 +80,11 @@ def _run(
     def run() -> None:
         try:
             for step, metrics in scheduler.run():
-                # Where a checkpoint taken now would resume drawing prompts.
-                metrics["resume/first_group"] = float(scheduler.first_untrained_group())
+                # Where a checkpoint taken now would resume drawing prompts, and the later
+                # groups it would pass over.
+                first = scheduler.first_untrained_group()
+                metrics["resume/first_group"] = float(first)
+                metrics["resume/trained_ids"] = scheduler.trained_from(first)
                 logged.append((step, metrics))
         except Exception as error:  # raised on the test's thread
             errors.append(error)
@@ -87,6 +95,7 @@ def _run(
     assert not runner.is_alive(), "the scheduler did not terminate"
     if errors:
         raise errors[0]
+    scheduler.drawn = drawn
     return scheduler, rollout, trainer, logged
 
 
@@ -131,19 +140,23 @@ def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
         # No group lost or duplicated: every group started went to exactly one step.
         started = sum(int(m["rollout/generated_groups"]) for _, m in logged)
         assert started == scheduler._num_groups
-        # A checkpoint after step s resumes at the first group that no step <= s trained.
-        # With dynamic sampling a replacement group for step s can start after step s+1's
-        # first group: resuming draws its prompt once more.
+        # A checkpoint after step s generates again exactly the groups no step <= s trained:
+        # from its first untrained group on, passing over the trained ones (with dynamic
+        # sampling a replacement group for step s can start after step s+1's first group).
         trained_at = {
             s.group_id: step for step, samples in trainer.trained.items() for s in samples
         }
         for step, metrics in logged:
-            first = metrics["resume/first_group"]
+            first, passed_over = metrics["resume/first_group"], metrics["resume/trained_ids"]
+            assert dynamic or not passed_over
             for group, at in trained_at.items():
-                assert group >= first or at <= step
-                assert dynamic or group < first or at > step
+                assert (at <= step) == (group < first or group in passed_over)
         if partial == "finish":
             assert rollout.num_interrupts == 0
+
+
+def _trained_group_ids(trainer: FakeTrainer) -> list[int]:
+    return sorted({s.group_id for samples in trainer.trained.values() for s in samples})
 
 
 def _overlap(scheduler: Scheduler) -> float:
@@ -156,9 +169,25 @@ def test_a_resumed_scheduler_trains_the_remaining_steps_from_its_first_group(k: 
         seed=5, k=k, partial="abort", dynamic=False, annotate=True, start_version=2
     )
     assert [step for step, _ in logged] == [3, 4, 5]
-    group_ids = sorted({s.group_id for samples in trainer.trained.values() for s in samples})
+    group_ids = _trained_group_ids(trainer)
     assert group_ids == list(range(200, 209))
     assert all(s.policy_version >= 2 for samples in trainer.trained.values() for s in samples)
+
+
+def test_a_resumed_scheduler_draws_but_passes_over_groups_its_checkpoint_trained() -> None:
+    scheduler, rollout, trainer, logged = _run(
+        seed=5,
+        k=1,
+        partial="finish",
+        dynamic=False,
+        annotate=False,
+        start_version=2,
+        trained_group_ids=frozenset({201, 204}),
+    )
+    group_ids = _trained_group_ids(trainer)
+    assert group_ids == [200, 202, 203, *range(205, 211)]
+    # Their prompts are still drawn, in order, so the prompt stream stays on the same course.
+    assert scheduler.drawn == list(range(200, 211))
 
 
 def test_on_policy_never_trains_while_generating() -> None:
