@@ -1,13 +1,15 @@
-"""`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH]`,
+"""`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH] [--address A]`,
 `rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from rl.checkpoint import CheckpointError
+from rl.memory_plan import PlanDoesNotFit
 from rl.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
 from rl.resume import find_resume_point
 
@@ -29,6 +31,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="auto|PATH",
         help="continue from a checkpoint: 'auto' = the newest good one of this run (or a fresh "
         "start if there is none), or a checkpoint directory",
+    )
+    train.add_argument(
+        "--device-memory-gb",
+        type=float,
+        metavar="GIB",
+        help="--dry-run: check the memory plan against GPUs of this size (default: the GPU "
+        "this machine has, else host memory)",
+    )
+    train.add_argument(
+        "--address",
+        help="join this Ray cluster (HOST:PORT of its head; the RAY_ADDRESS environment "
+        "variable, which `ray job submit` sets, does the same); default: start a local one",
     )
     build = commands.add_parser("build-base", help="build the recipe's tiny SFT base checkpoint")
     build.add_argument("recipe")
@@ -68,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if dry_run:
-        print(dry_run_report(cfg, args.recipe))
+        try:
+            print(dry_run_report(cfg, args.recipe, args.device_memory_gb))
+        except PlanDoesNotFit as exc:
+            print(
+                f"error: {args.recipe}: the plan does not fit its devices. {exc}", file=sys.stderr
+            )
+            return 2
         return 0
     # Heavy imports (torch, ray, vllm) only once the config is known to be good.
     if args.command == "build-base":
@@ -78,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rl.driver import RunAborted, train
 
+    if args.address:
+        os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.init_ray joins
     try:
         train(cfg, resume_from)
     except RunAborted as exc:

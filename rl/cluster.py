@@ -1,8 +1,9 @@
-"""The Ray side of placement: join or start a cluster, reserve the plan's placement group.
+"""The Ray side of placement: join or start a cluster, reserve the plan's placement groups.
 
-`rl.placement` decides which bundles each role uses (colocate or split); here they are
-reserved as one placement group and each actor asks for its share of its bundle. On CPU a
-"device" is one CPU; on GPU, one GPU plus a CPU.
+`rl.placement` decides which bundles each role uses (colocate or split) and which bundles
+share a node; here each node group is reserved as one placement group packed on one node
+(STRICT_PACK), and each actor asks for its share of its bundle. On CPU a "device" is one CPU;
+on GPU, one GPU plus a CPU.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from rl.placement import PlacementPlan, plan_placement
 
 @dataclass
 class Placement:
-    group: PlacementGroup
+    groups: list[PlacementGroup]  # one per node group of the plan
     plan: PlacementPlan
     use_gpu: bool
 
     def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
         """`.options(...)` for an actor that shares bundle `bundle_index` with other roles."""
         share = 1.0 / num_roles_sharing
+        group, local_index = self.plan.locate(bundle_index)
         options = {
             "num_cpus": share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.group, placement_group_bundle_index=bundle_index
+                placement_group=self.groups[group], placement_group_bundle_index=local_index
             ),
         }
         if self.use_gpu:
@@ -38,17 +40,19 @@ class Placement:
         return options
 
     def release(self) -> None:
-        remove_placement_group(self.group)
+        for group in self.groups:
+            remove_placement_group(group)
 
 
 def init_ray() -> bool:
-    """Join the cluster named by RAY_ADDRESS (`ray job submit` sets it) or start a local one.
+    """Join the cluster named by RAY_ADDRESS (`ray job submit` and `rl train --address` set
+    it) or start a local one, never a stray `ray start` cluster found on this machine.
     Returns whether this call connected, so the caller knows whose connection to close."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
     ray.init(
-        address=address or None,
+        address=address or "local",
         log_to_driver=True,
         include_dashboard=False if not address else None,
     )
@@ -56,18 +60,34 @@ def init_ray() -> bool:
 
 
 def reserve(cfg: Config, timeout_s: float = 120.0) -> Placement:
-    """Reserve the bundles of `plan_placement(cfg)`."""
+    """Reserve the node groups of `plan_placement(cfg)`, largest first, each ready before the
+    next: a small group taken first could fill the one node a larger group fits on."""
     use_gpu = bool(ray.cluster_resources().get("GPU", 0))
     plan = plan_placement(cfg)
-    num_devices = plan.num_devices
     bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-    group = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        available = ray.available_resources()
-        remove_placement_group(group)
-        raise RuntimeError(
-            f"could not reserve {num_devices} x {bundle} for the placement\n"
-            f"{plan.describe()}\ncluster has {available}"
-        )
-    return Placement(group=group, plan=plan, use_gpu=use_gpu)
+    device = "GPU" if use_gpu else "CPU"
+    largest_node = max(node["Resources"].get(device, 0) for node in ray.nodes() if node["Alive"])
+    reserved: dict[int, PlacementGroup] = {}
+    try:
+        for index in sorted(range(len(plan.node_groups)), key=lambda i: -len(plan.node_groups[i])):
+            bundles = plan.node_groups[index]
+            where = f"bundles {bundles} of the plan on one node"
+            if len(bundles) > largest_node:
+                raise RuntimeError(
+                    f"{where} need {len(bundles)} {device}s, but the largest node has "
+                    f"{largest_node:g}; set scheduler.devices_per_node to at most that\n"
+                    f"{plan.describe()}"
+                )
+            group = placement_group([dict(bundle) for _ in bundles], strategy="STRICT_PACK")
+            reserved[index] = group
+            ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+            if not ready:
+                raise RuntimeError(
+                    f"could not reserve {len(bundles)} x {bundle} for {where} within "
+                    f"{timeout_s:g} s\n{plan.describe()}\ncluster has {ray.available_resources()}"
+                )
+    except BaseException:
+        for group in reserved.values():
+            remove_placement_group(group)
+        raise
+    return Placement([reserved[i] for i in range(len(plan.node_groups))], plan, use_gpu)

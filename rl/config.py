@@ -173,6 +173,11 @@ class TrainerConfig(Section):
         8192, description="Fused kernel (PyTorch path): vocabulary columns per chunk."
     )
     num_threads: int = Field(1, description="torch intra-op threads per trainer rank on CPU.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's forward in backward instead of keeping its "
+        "activations (policy and critic): far less memory, about a third more compute.",
+    )
 
 
 class AlgorithmConfig(Section):

@@ -24,13 +24,8 @@ class CriticGroup:
                 f"{len(bundles)} critic ranks (critic.num_workers={cfg.critic.num_workers}) need "
                 f"bundles {bundles}, but only {placement.plan.num_devices} devices are reserved"
             )
-        share = 1.0 / num_roles_sharing
         self.workers = create_critic_group(
-            cfg,
-            placement.group,
-            bundle_indices=bundles,
-            num_cpus=share,
-            num_gpus=share if placement.use_gpu else 0.0,
+            cfg, [placement.actor_options(index, num_roles_sharing) for index in bundles]
         )
 
     def compute_values(self, batch: Batch) -> torch.Tensor:

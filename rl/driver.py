@@ -148,6 +148,11 @@ def _run(
             critic = CriticGroup(cfg, placement, num_roles_sharing=num_roles)
         weight_sync = WeightSync(cfg, trainers, rollout)
         closers.append(weight_sync.close)
+        print(
+            f"weight sync: {weight_sync.transport} transport, trainer and rollout on "
+            f"{weight_sync.num_nodes} node(s)",
+            flush=True,
+        )
         reward_bundle = plan.roles.get("reward_model", [0])[0]
         scorer = StreamingScorer(
             cfg,

@@ -6,6 +6,11 @@ colocate: every role shares every device and the scheduler time-slices them (or 
 them, with max_staleness > 0, on the same devices). split: the rollout workers get the first
 `rollout_devices` bundles, and the trainer ranks, critic and reward models share the next
 `trainer_devices`, so generation and training never compete for a device.
+
+Across nodes each pool (colocate: the whole pool; split: the rollout's, and the trainer's) is
+cut into node groups of at most `scheduler.devices_per_node` bundles, each reserved packed on
+one node. Tensor-parallel groups never straddle two (devices_per_node is a multiple of the TP
+size), so an engine's ranks share a node while rollout workers and trainer ranks spread.
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ class PlacementPlan:
     mode: str  # "colocate" or "split"
     num_devices: int
     roles: dict[str, list[int]]  # role -> first bundle index of each of its actors
+    node_groups: list[list[int]]  # bundle indices reserved together on one node
     rollout_width: int = 1  # bundles per rollout worker (its tensor-parallel size)
+
+    def locate(self, bundle: int) -> tuple[int, int]:
+        """(node group, index within it) of bundle `bundle`."""
+        for group_index, group in enumerate(self.node_groups):
+            if bundle in group:
+                return group_index, group.index(bundle)
+        raise AssertionError(f"bundle {bundle} is in no node group of {self.node_groups}")
 
     @property
     def num_roles_sharing(self) -> int:
@@ -53,6 +66,8 @@ class PlacementPlan:
         lines = [f"{self.mode}: {self.num_devices} devices (bundles), {shared}"]
         for role, bundles in self.roles.items():
             lines.append(f"  {role}: {len(bundles)} actor(s) on bundles {bundles}")
+        groups = " ".join(str(group) for group in self.node_groups)
+        lines.append(f"  node groups (each packed on one node): {groups}")
         return "\n".join(lines)
 
 
@@ -82,11 +97,19 @@ def plan_placement(cfg: Config) -> PlacementPlan:
             roles[role] = [first] * count  # small models: they share the first device
         elif count:
             roles[role] = _spread(count, num_trainer_devices, 1, first)
+    per_node = cfg.scheduler.devices_per_node
     if cfg.scheduler.placement == "split":
         num_devices = num_rollout_devices + num_trainer_devices
+        pools = [range(num_rollout_devices), range(num_rollout_devices, num_devices)]
     else:
         num_devices = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
-    return PlacementPlan(cfg.scheduler.placement, num_devices, roles, tp)
+        pools = [range(num_devices)]
+    node_groups = [
+        list(pool[start : start + (per_node or len(pool))])
+        for pool in pools
+        for start in range(0, len(pool), per_node or len(pool))
+    ]
+    return PlacementPlan(cfg.scheduler.placement, num_devices, roles, node_groups, tp)
 
 
 def _spread(num_actors: int, num_devices: int, width: int, first: int) -> list[int]:

@@ -176,6 +176,11 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
 
 def _check_scheduler(cfg: Config, path: Path | str) -> None:
     sched, tp = cfg.scheduler, cfg.rollout.tensor_parallel_size
+    if sched.devices_per_node % tp:
+        raise ConfigError(
+            f"{path}: scheduler.devices_per_node={sched.devices_per_node} must be a multiple of "
+            f"rollout.tensor_parallel_size={tp}: an engine's tensor-parallel ranks share one node"
+        )
     if sched.placement == "colocate":
         for key in ("rollout_devices", "trainer_devices"):
             if getattr(sched, key):
@@ -339,12 +344,15 @@ def _checkpoint_tensor_names(model_dir: Path) -> list[str]:
     return names
 
 
-def dry_run_report(cfg: Config, path: Path | str) -> str:
-    """What `rl train --dry-run` prints: the resolved config, the placement, missing inputs.
+def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None = None) -> str:
+    """What `rl train --dry-run` prints: the resolved config, the placement, missing inputs,
+    and the memory each rank needs (`rl.memory_plan`; PlanDoesNotFit when the devices told
+    or seen cannot hold it).
 
     Missing inputs are reported, not fatal: GPU recipes name checkpoints and data that live
     on the cluster, and CI dry-runs every recipe on this machine.
     """
+    from rl.memory_plan import memory_report
     from rl.placement import plan_placement
 
     try:
@@ -359,6 +367,7 @@ def dry_run_report(cfg: Config, path: Path | str) -> str:
             plan_placement(cfg).describe(),
             _describe_overlap(cfg),
             inputs,
+            memory_report(cfg, device_memory_gb),
             "dry run: nothing started",
         ]
     )

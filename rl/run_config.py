@@ -32,6 +32,13 @@ class SchedulerConfig(Section):
         description="split: devices the trainer ranks (and critic, reward models) share "
         "(0 = trainer.num_workers).",
     )
+    devices_per_node: int = Field(
+        0,
+        ge=0,
+        description="Devices each node gives the run: every pool (colocate: the whole pool; "
+        "split: rollout's and trainer's) is reserved in groups of at most this many, each packed "
+        "on one node (0 = each pool on one node).",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -16,13 +16,9 @@ from trainer.worker import create_train_group
 class TrainGroup:
     def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
         self.cfg = cfg
-        share = 1.0 / num_roles_sharing
+        bundles = placement.plan.roles["trainer"]
         self.workers = create_train_group(
-            cfg,
-            placement.group,
-            bundle_indices=placement.plan.roles["trainer"],
-            num_cpus=share,
-            num_gpus=share if placement.use_gpu else 0.0,
+            cfg, [placement.actor_options(index, num_roles_sharing) for index in bundles]
         )
 
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:

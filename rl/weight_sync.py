@@ -42,7 +42,8 @@ class WeightSync:
         )
         nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
         nodes |= set(ray.get([w.node_id.remote() for w in rollout.workers]))
-        self.transport = choose_transport(cfg.rollout.weight_transport, len(nodes))
+        self.num_nodes = len(nodes)
+        self.transport = choose_transport(cfg.rollout.weight_transport, self.num_nodes)
         self._plan_json = plan_to_json(self.plan)
         self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
         # /dev/shm outlives processes: delete the buffers however the driver exits.

@@ -13,6 +13,15 @@ from rl.config import BaseBuildConfig
 from rl.weight_plan import AttentionShape, TensorSpec
 from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
 
+REPO = Path(__file__).resolve().parents[1]
+# The example runtime environment for `ray job submit` sits beside the recipes; it is not one.
+RUNTIME_ENV = REPO / "recipes" / "runtime_env.yaml"
+
+
+def shipped_recipes() -> list[Path]:
+    """Every recipe under recipes/, sorted."""
+    return sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p != RUNTIME_ENV)
+
 
 def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
     rng = random.Random(0)

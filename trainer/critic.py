@@ -63,7 +63,9 @@ class ValueModel(nn.Module):
         return self.head(hidden[:, :-1]).squeeze(-1).float()
 
 
-def load_value_model(path: str, dtype: str, mesh: DeviceMesh) -> ValueModel:
+def load_value_model(
+    path: str, dtype: str, mesh: DeviceMesh, activation_checkpointing: bool
+) -> ValueModel:
     """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
     like the policy (`trainer.fsdp.shard_with_fsdp`); `dtype` is the compute dtype."""
     causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -72,7 +74,7 @@ def load_value_model(path: str, dtype: str, mesh: DeviceMesh) -> ValueModel:
     model = ValueModel(causal_lm.get_decoder(), causal_lm.config.hidden_size)
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
-    shard_with_fsdp(model, layers, mesh, dtype)
+    shard_with_fsdp(model, layers, mesh, dtype, activation_checkpointing)
     return model
 
 
@@ -88,7 +90,12 @@ class ValueTrainer:
         self.device, mesh = init_rank(
             rank, world_size, master_addr, master_port, cfg.trainer.num_threads
         )
-        self.model = load_value_model(cfg.critic.path or cfg.model.path, cfg.model.dtype, mesh)
+        self.model = load_value_model(
+            cfg.critic.path or cfg.model.path,
+            cfg.model.dtype,
+            mesh,
+            cfg.trainer.activation_checkpointing,
+        )
         self.optimizer, self.scheduler = adamw_with_warmup(
             self.model.parameters(),
             cfg.critic.lr,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.util.placement_group import PlacementGroup
 
 from rl.config import Config
 from rl.types import Batch
@@ -50,13 +49,7 @@ class CriticWorker:
         self.trainer.close()
 
 
-def create_critic_group(
-    cfg: Config,
-    placement_group: PlacementGroup | None,
-    bundle_indices: list[int] | None = None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-) -> list[ActorHandle]:
+def create_critic_group(cfg: Config, rank_options: list[dict] | None = None) -> list[ActorHandle]:
     """Start the `cfg.critic_world_size()` CriticWorker ranks (see `start_rank_group`)."""
     world_size = cfg.critic_world_size()
     if world_size < 1:
@@ -64,6 +57,4 @@ def create_critic_group(
             f"critic.num_workers={cfg.critic.num_workers} (0 = trainer.num_workers="
             f"{cfg.trainer.num_workers}) gives {world_size} critic ranks"
         )
-    return start_rank_group(
-        CriticWorker, cfg, world_size, placement_group, bundle_indices, num_cpus, num_gpus
-    )
+    return start_rank_group(CriticWorker, cfg, world_size, rank_options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -64,13 +65,36 @@ def decoder_layers(model: PreTrainedModel, source: str) -> nn.ModuleList:
     return layers
 
 
-def shard_with_fsdp(root: nn.Module, layers: nn.ModuleList, mesh: DeviceMesh, dtype: str) -> None:
+def checkpoint_activations(layers: nn.ModuleList) -> None:
+    """Make each layer recompute its forward during backward, keeping only its inputs.
+
+    The layer's own forward is wrapped on the instance (not in a wrapper module), so parameter
+    names, checkpoints and weight sync see the same model. Under FSDP2 the recompute runs
+    after the layer's pre-backward unshard, as torchtitan's per-layer checkpointing does.
+    """
+    for layer in layers:
+
+        def checkpointed(*args: object, _forward=layer.forward, **kwargs: object) -> object:
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+
+
+def shard_with_fsdp(
+    root: nn.Module,
+    layers: nn.ModuleList,
+    mesh: DeviceMesh,
+    dtype: str,
+    activation_checkpointing: bool = False,
+) -> None:
     """FSDP2 `fully_shard` on each decoder layer, then on `root` (everything else).
 
     Parameters stay fp32 (the optimizer's master copy) and are cast to `dtype` for compute;
     gradients are reduced in fp32.
     """
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
+    if activation_checkpointing:
+        checkpoint_activations(layers)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(root, mesh=mesh, mp_policy=policy)
@@ -94,5 +118,8 @@ def load_sharded(
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
     wrapper = LogProbModel(model, trainer_cfg)
-    shard_with_fsdp(wrapper, layers, mesh, cfg.dtype)
+    checkpointed = (
+        trainable and trainer_cfg.activation_checkpointing
+    )  # nothing to save under no_grad
+    shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, checkpointed)
     return wrapper

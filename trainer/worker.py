@@ -7,8 +7,6 @@ import socket
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl.config import Config
 from rl.types import Batch
@@ -76,49 +74,31 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 def start_rank_group(
-    actor_class: type,
-    cfg: Config,
-    world_size: int,
-    placement_group: PlacementGroup | None,
-    bundle_indices: list[int] | None,
-    num_cpus: float,
-    num_gpus: float,
+    actor_class: type, cfg: Config, world_size: int, rank_options: list[dict] | None
 ) -> list[ActorHandle]:
     """Start `world_size` ranks of `actor_class` and wait until they form one process group.
 
     The actor class takes (cfg, rank, world_size) and has `get_master_addr_port()` and
-    `init_trainer(addr, port)`. Rank r goes to bundle `bundle_indices[r]` of `placement_group`
-    (default: bundle r), or anywhere when `placement_group` is None. `num_cpus`/`num_gpus` are
-    each rank's share of its bundle (fractions when roles are colocated). Returns the handles
-    in rank order.
+    `init_trainer(addr, port)`. Rank r starts with `.options(**rank_options[r])` (its bundle
+    and its share of it: `rl.cluster.Placement.actor_options`), or on one CPU anywhere when
+    `rank_options` is None. Rank 0 hosts the rendezvous on its own node, so the ranks may
+    span nodes. Returns the handles in rank order.
     """
-    indices = list(range(world_size)) if bundle_indices is None else bundle_indices
-    if len(indices) != world_size:
-        raise ValueError(f"{world_size} ranks but {len(indices)} bundle indices")
-    workers = []
-    for rank, index in enumerate(indices):
-        options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        if placement_group is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=index
-            )
-        workers.append(actor_class.options(**options).remote(cfg, rank, world_size))
+    options = [{"num_cpus": 1.0}] * world_size if rank_options is None else rank_options
+    if len(options) != world_size:
+        raise ValueError(f"{world_size} ranks but {len(options)} placements")
+    workers = [
+        actor_class.options(**rank).remote(cfg, index, world_size)
+        for index, rank in enumerate(options)
+    ]
     addr, port = ray.get(workers[0].get_master_addr_port.remote())
     ray.get([w.init_trainer.remote(addr, port) for w in workers])
     return workers
 
 
-def create_train_group(
-    cfg: Config,
-    placement_group: PlacementGroup | None,
-    bundle_indices: list[int] | None = None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-) -> list[ActorHandle]:
+def create_train_group(cfg: Config, rank_options: list[dict] | None = None) -> list[ActorHandle]:
     """Start the trainer.num_workers TrainWorker ranks (see `start_rank_group`)."""
     world_size = cfg.trainer.num_workers
     if world_size < 1:
         raise ValueError(f"trainer.num_workers={world_size} < 1")
-    return start_rank_group(
-        TrainWorker, cfg, world_size, placement_group, bundle_indices, num_cpus, num_gpus
-    )
+    return start_rank_group(TrainWorker, cfg, world_size, rank_options)

@@ -64,9 +64,8 @@ def placement():
     ray.get(group.ready())
     try:
         # No critic bundles in the plan: critic rank r goes to bundle r.
-        yield Placement(
-            group=group, plan=PlacementPlan(mode="colocate", num_devices=2, roles={}), use_gpu=False
-        )
+        plan = PlacementPlan(mode="colocate", num_devices=2, roles={}, node_groups=[[0, 1]])
+        yield Placement(groups=[group], plan=plan, use_gpu=False)
     finally:
         remove_placement_group(group)
         ray.shutdown()

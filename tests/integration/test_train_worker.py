@@ -183,14 +183,27 @@ def test_two_ranks_with_micro_batches_equal_one_full_batch(
         assert torch.equal(tensor, ranks[0]["full"][name]), name
 
 
-def _impl_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> None:
+def _step_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path, label: str) -> None:
+    """Log-probs, one train step, and the parameters after it, saved as out/LABEL-rankR.pt;
+    with how often the first layer's MLP started a forward during the step."""
     trainer = PolicyTrainer(cfg, rank, 2, "127.0.0.1", port)
-    result = {"logprobs": trainer.compute_logprobs(batch), "metrics": trainer.train_step(batch)}
+    result = {"logprobs": trainer.compute_logprobs(batch)}
+    mlp_calls = []
+    # A pre-hook: the recompute stops as soon as the last saved tensor is back, inside the MLP.
+    mlp = trainer.policy.model.model.layers[0].mlp
+    mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    result["metrics"] = trainer.train_step(batch)
+    result["mlp_calls"] = len(mlp_calls)
     result["params"] = {
         name: p.detach().full_tensor() for name, p in trainer.policy.model.named_parameters()
     }
-    torch.save(result, out / f"{cfg.trainer.logprob_impl}-rank{rank}.pt")
+    torch.save(result, out / f"{label}-rank{rank}.pt")
     trainer.close()
+
+
+def _one_step(cfg: Config, batch: Batch, out: Path, label: str) -> list[dict]:
+    mp.spawn(_step_main, args=(cfg, _free_port(), batch, out, label), nprocs=2)
+    return [torch.load(out / f"{label}-rank{r}.pt") for r in range(2)]
 
 
 def test_fused_kernel_and_naive_path_give_the_same_logprobs_and_step(
@@ -201,8 +214,7 @@ def test_fused_kernel_and_naive_path_give_the_same_logprobs_and_step(
     results = {}
     for impl in ("fused", "naive"):
         cfg = _config(tiny_model_dir, lr=1e-2, micro_batch_size=2, logprob_impl=impl)
-        mp.spawn(_impl_main, args=(cfg, _free_port(), batch, tmp_path), nprocs=2)
-        results[impl] = [torch.load(tmp_path / f"{impl}-rank{r}.pt") for r in range(2)]
+        results[impl] = _one_step(cfg, batch, tmp_path, impl)
     for fused, naive in zip(results["fused"], results["naive"], strict=True):
         torch.testing.assert_close(fused["logprobs"], naive["logprobs"], rtol=1e-5, atol=1e-5)
     fused, naive = results["fused"][0], results["naive"][0]
@@ -213,6 +225,34 @@ def test_fused_kernel_and_naive_path_give_the_same_logprobs_and_step(
         torch.testing.assert_close(param, naive["params"][name], rtol=1e-5, atol=1e-4)
 
 
+def test_activation_checkpointing_recomputes_each_layer_and_gives_the_same_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = _make_batch(model, num_rows=6, seq_len=12, seed=4)
+    results = {
+        checkpointed: _one_step(
+            _config(
+                tiny_model_dir, lr=1e-2, micro_batch_size=2, activation_checkpointing=checkpointed
+            ),
+            batch,
+            tmp_path,
+            f"checkpointed-{checkpointed}",
+        )
+        for checkpointed in (False, True)
+    }
+    plain, checkpointed = results[False][0], results[True][0]
+    # 3 rows per rank in micro-batches of 2: 2 forwards, each run again in backward.
+    assert (plain["mlp_calls"], checkpointed["mlp_calls"]) == (2, 4)
+    assert torch.equal(plain["logprobs"], checkpointed["logprobs"])
+    assert checkpointed["metrics"]["actor/loss"] == plain["metrics"]["actor/loss"]
+    assert checkpointed["metrics"]["actor/grad_norm"] == pytest.approx(
+        plain["metrics"]["actor/grad_norm"], rel=1e-6
+    )
+    for name, param in plain["params"].items():
+        torch.testing.assert_close(checkpointed["params"][name], param, rtol=1e-6, atol=1e-7)
+
+
 # ---- the Ray actor group ------------------------------------------------------------------
 
 
@@ -221,7 +261,7 @@ def group(tiny_tied_model_dir: Path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = _config(tiny_tied_model_dir, lr=1e-2, micro_batch_size=3, num_mini_batches=2)
     try:
-        yield create_train_group(cfg, None, num_cpus=1)
+        yield create_train_group(cfg)
     finally:
         ray.shutdown()
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.conftest import RUNTIME_ENV, shipped_recipes
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = "recipes/grpo_addition_cpu.yaml"
@@ -81,6 +85,7 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "algorithm.loss_agg=sum",
         "scheduler.rollout_devices=1",  # sizes the split placement only
         "scheduler.max_staleness=-1",
+        "scheduler.devices_per_node=3",  # TP 2 groups would straddle nodes (with the next one)
         "algorithm.off_policy=is",
         "algorithm.dual_clip=0.5",
         "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef
@@ -91,12 +96,13 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
-    result = run_cli("train", DEMO, override)
+    tp = ["rollout.tensor_parallel_size=2"] if override.startswith("scheduler.devices") else []
+    result = run_cli("train", DEMO, override, *tp)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
 
 
-RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml"))
+RECIPES = [str(p.relative_to(REPO)) for p in shipped_recipes()]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -106,6 +112,39 @@ def test_every_recipe_dry_runs_without_starting_anything(recipe: str) -> None:
     assert f"{recipe}: config ok" in result.stdout
     assert "colocate:" in result.stdout and "trainer: " in result.stdout
     assert "dry run: nothing started" in result.stdout
+
+
+def test_dry_run_refuses_a_plan_too_big_for_the_devices_it_is_told_of(tmp_path: Path) -> None:
+    # Qwen2.5-7B's sizes are all the estimate reads: no weights needed.
+    config = {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    recipe = "recipes/gpu/ppo_qwen2.5_7b_gsm8k.yaml"
+    fits = run_cli(
+        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "80"
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert "model: 7.616B parameters; devices: GPUs of 80 GiB" in fits.stdout
+    assert "fits, a device shared by a trainer rank and vLLM" in fits.stdout
+    small = run_cli(
+        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "40"
+    )
+    assert small.returncode == 2
+    assert f"error: {recipe}: the plan does not fit its devices" in small.stderr
+    assert (
+        "needed of 40.00 GiB; shard over more trainer ranks (trainer.num_workers)" in small.stderr
+    )
+
+
+def test_the_ray_runtime_env_example_ships_the_checkout_and_streams_logs() -> None:
+    runtime_env = yaml.safe_load(RUNTIME_ENV.read_text())
+    assert set(runtime_env) <= {"working_dir", "excludes", "env_vars", "pip", "py_modules"}
+    assert runtime_env["working_dir"] == "."
+    assert {".git", "runs", ".cache"} <= set(runtime_env["excludes"])
+    assert runtime_env["env_vars"]["PYTHONUNBUFFERED"] == "1"
 
 
 def test_dry_run_reports_missing_inputs_without_failing() -> None:

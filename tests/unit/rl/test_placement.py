@@ -75,3 +75,37 @@ def test_split_spreads_tensor_parallel_workers_over_their_devices() -> None:
     assert plan.num_devices == 6
     lanes = plan.trace_lanes()
     assert lanes["rollout-1"] == [2, 3] and lanes["trainer"] == [4, 5]
+
+
+def test_without_devices_per_node_each_pool_is_one_node_group() -> None:
+    colocated = plan_placement(_config(trainer={"num_workers": 2}))
+    assert colocated.node_groups == [[0, 1]]
+    split = plan_placement(_config(scheduler={"placement": "split"}, trainer={"num_workers": 2}))
+    # Rollout and trainer devices are reserved apart: either may land on its own node.
+    assert split.node_groups == [[0], [1, 2]]
+
+
+def test_devices_per_node_cuts_each_pool_into_node_groups_that_keep_tp_groups_whole() -> None:
+    plan = plan_placement(
+        _config(
+            scheduler={"devices_per_node": 4},
+            rollout={"num_workers": 4, "tensor_parallel_size": 2},
+            trainer={"num_workers": 8},
+        )
+    )
+    assert plan.node_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.roles["rollout"] == [0, 2, 4, 6]
+    # Every engine's TP ranks sit in one node group, and bundles are found by node.
+    for first in plan.roles["rollout"]:
+        assert plan.locate(first)[0] == plan.locate(first + 1)[0]
+    assert plan.locate(6) == (1, 2)
+    assert "node groups (each packed on one node): [0, 1, 2, 3] [4, 5, 6, 7]" in plan.describe()
+
+    split = plan_placement(
+        _config(
+            scheduler={"placement": "split", "devices_per_node": 2},
+            rollout={"num_workers": 3},
+            trainer={"num_workers": 2},
+        )
+    )
+    assert split.node_groups == [[0, 1], [2], [3, 4]]

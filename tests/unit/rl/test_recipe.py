@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from rl.recipe import ConfigError, load_config
+from tests.conftest import shipped_recipes
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_shipped_recipe_validates() -> None:
-    recipes = sorted((REPO / "recipes").rglob("*.yaml"))
+    recipes = shipped_recipes()
     assert recipes
     for recipe in recipes:
         load_config(recipe)
