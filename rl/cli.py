@@ -1,5 +1,5 @@
 """`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH] [--address A]`,
-`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`."""
+`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`, `rl report RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100"
     )
     export.add_argument("--to", required=True, help="output directory (replaced atomically)")
+    report = commands.add_parser("report", help="plot a run and write a Markdown summary")
+    report.add_argument("run_dir", help="a run's directory, e.g. runs/grpo-addition")
+    report.add_argument("--out", help="where the PNGs and summary.md go (default RUN_DIR/report)")
     return parser
 
 
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.command == "export":
         return _export(args.checkpoint, args.to)
+    if args.command == "report":
+        return _report(args.run_dir, args.out)
     if args.command == "train" and args.help_config:
         print(describe_config())
         return 0
@@ -117,6 +122,18 @@ def _export(checkpoint: str, out_dir: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"HF model written to {path}")
+    return 0
+
+
+def _report(run_dir: str, out_dir: str | None) -> int:
+    from rl.report import ReportError, write_report
+
+    try:
+        summary = write_report(Path(run_dir), Path(out_dir) if out_dir else None)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written to {summary}")
     return 0
 
 

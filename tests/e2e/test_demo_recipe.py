@@ -1,4 +1,5 @@
-"""The demo recipe, run as `make demo` runs it, with fewer steps: base build, GRPO, export."""
+"""The demo recipe, run as `make demo` runs it, with fewer steps: base build, GRPO, export,
+and `rl report` on the run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rl.report import build_figures
 
 pytestmark = pytest.mark.e2e
 
@@ -54,3 +57,46 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
         model.config.num_hidden_layers
         == json.loads((run_dir / "config.json").read_text())["base"]["num_layers"]
     )
+
+    _check_report(run_dir)
+
+
+REPORT_IMAGES = ("reward.png", "length.png", "kl_entropy.png", "step_time.png", "timeline.png")
+
+
+def _check_report(run_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "report", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "| held-out greedy accuracy |" in summary
+    for name in REPORT_IMAGES:
+        png = (run_dir / "report" / name).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
+        assert f"]({name})" in summary, name
+
+    figures = build_figures(run_dir)
+    reward = figures["reward.png"].axes[0]
+    assert reward.get_xlabel() == "step"
+    lines = {line.get_label(): line for line in reward.get_lines()}
+    assert list(lines) == [
+        "reward (mean)",
+        "held-out greedy accuracy",
+        "groups with a solved sample",
+    ]
+    assert list(lines["held-out greedy accuracy"].get_xdata()) == [0, 2, 3]
+    assert list(lines["reward (mean)"].get_xdata()) == [1, 2, 3]
+    length, truncated = figures["length.png"].axes
+    assert [line.get_label() for line in length.get_lines()] == ["mean response tokens"]
+    assert truncated.get_ylabel() == "fraction truncated"
+    kl = [line.get_label() for line in figures["kl_entropy.png"].axes[0].get_lines()]
+    assert kl == ["entropy", "KL to the old policy"]  # no reference: kl_coef is 0
+    phases = {bars.get_label() for bars in figures["step_time.png"].axes[0].containers}
+    assert {"generate", "train", "sync"} <= phases
+    timeline = figures["timeline.png"].axes[0]
+    assert [t.get_text() for t in timeline.get_yticklabels()][:2] == ["rollout-0", "trainer"]

@@ -147,6 +147,12 @@ def test_the_ray_runtime_env_example_ships_the_checkout_and_streams_logs() -> No
     assert runtime_env["env_vars"]["PYTHONUNBUFFERED"] == "1"
 
 
+def test_report_of_a_directory_without_a_run_names_the_missing_file(tmp_path: Path) -> None:
+    result = run_cli("report", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path / 'metrics.jsonl'} is missing" in result.stderr
+
+
 def test_dry_run_reports_missing_inputs_without_failing() -> None:
     result = run_cli(
         "train", DEMO, "--dry-run", "model.path=/nowhere", "base.build_if_missing=false"
