@@ -4,6 +4,7 @@ and `rl report` on the run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,27 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
         == json.loads((run_dir / "config.json").read_text())["base"]["num_layers"]
     )
 
+    _check_schema(records)
     _check_report(run_dir)
+
+
+def _documented_keys() -> re.Pattern:
+    """One pattern matching every key docs/metrics.md lists (`<name>` stands for a word)."""
+    table = (REPO / "docs" / "metrics.md").read_text()
+    rows = re.findall(r"^\| (`.+?`) \|", table, re.M)
+    keys = [key for row in rows for key in re.findall(r"`([^`]+)`", row)]
+    patterns = [re.sub(r"<[a-z]+>", "[a-z0-9_]+", re.escape(key)) for key in keys]
+    return re.compile("|".join(f"(?:{pattern})" for pattern in patterns))
+
+
+def _check_schema(records: list[dict]) -> None:
+    """Every record: an int step and numbers or nulls, under keys docs/metrics.md documents."""
+    documented = _documented_keys()
+    for record in records:
+        assert isinstance(record["step"], int)
+        for key, value in record.items():
+            assert documented.fullmatch(key), f"{key} is not documented in docs/metrics.md"
+            assert value is None or isinstance(value, int | float), (key, value)
 
 
 REPORT_IMAGES = ("reward.png", "length.png", "kl_entropy.png", "step_time.png", "timeline.png")
