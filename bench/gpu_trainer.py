@@ -9,8 +9,8 @@ one-rank weight sync), recomputes old log-probs, and trains one GRPO step (FSDP2
 rank, bf16 compute with fp32 master weights, the fused Triton log-prob kernel, activation
 checkpointing). Rewards are random, so advantages are non-zero and every token trains.
 It prints a markdown table for docs/benchmarks.md: seconds per phase, generated and trained
-tokens/s, the trainer's model FLOPs utilisation (6 N FLOPs per trained token plus attention,
-against the device's dense bf16 peak; recomputation not counted) and peak GPU memory.
+tokens/s, the trainer's model FLOPs utilisation (rl.flops: 6 N FLOPs per trained token plus
+attention, against the device's dense bf16 peak) and peak GPU memory.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rl.config import Config
+from rl.flops import peak_flops, train_flops_per_token
 from rl.memory_plan import ModelShape
 from rl.types import Batch
 from trainer.policy import PolicyTrainer
 
-# Dense bf16 peaks (no sparsity) by device name; others need --peak-tflops.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 SHAPES = {
     # Qwen2.5-0.5B's config.
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -114,10 +113,7 @@ def _batch(sequences: torch.Tensor, args: argparse.Namespace) -> Batch:
 def _peak_flops(args: argparse.Namespace) -> float | None:
     if args.peak_tflops:
         return args.peak_tflops * 1e12
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+    return peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 def main() -> None:
@@ -177,10 +173,7 @@ def _report(rows: list, shape: ModelShape, args: argparse.Namespace, device: tor
     batch = rows[0][1]
     trained = float(batch.attention_mask.sum())
     generated = args.prompts * args.group_size * args.new_tokens
-    length = batch.input_ids.shape[1]
-    # 6 N per token (forward + backward) and causal attention's QK^T and AV: 6 L T d_attn.
-    attention = 6 * shape.num_layers * length * shape.num_heads * shape.head_dim
-    flops = trained * (6 * shape.num_params + attention)
+    flops = trained * train_flops_per_token(shape, batch.input_ids.shape[1])
     peak = _peak_flops(args)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

@@ -1,5 +1,6 @@
 """`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH] [--address A]`,
-`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`, `rl report RUN_DIR`."""
+`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`, `rl report RUN_DIR`,
+`rl eval MODEL --data FILE [--k K]`, `rl generate MODEL PROMPT [--n N]`."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def _parser() -> argparse.ArgumentParser:
         "this machine has, else host memory)",
     )
     train.add_argument(
+        "--log-format",
+        choices=("progress", "json"),
+        help="console output (the same as run.log_format=...): a progress bar, or a JSON line a step",
+    )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="stream Ray's and vLLM's worker output to the console (run.verbose=true)",
+    )
+    train.add_argument(
         "--address",
         help="join this Ray cluster (HOST:PORT of its head; the RAY_ADDRESS environment "
         "variable, which `ray job submit` sets, does the same); default: start a local one",
@@ -55,6 +66,20 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plot a run and write a Markdown summary")
     report.add_argument("run_dir", help="a run's directory, e.g. runs/grpo-addition")
     report.add_argument("--out", help="where the PNGs and summary.md go (default RUN_DIR/report)")
+    evaluate = commands.add_parser("eval", help="a model's accuracy and pass@k on a data file")
+    generate = commands.add_parser("generate", help="samples of one prompt with their log-probs")
+    for command in (evaluate, generate):
+        command.add_argument("model", help="an HF model directory or a run checkpoint")
+    evaluate.add_argument("--data", required=True, help="jsonl/parquet rows with prompt, answer")
+    evaluate.add_argument("--task", help="the verifier (default: the one the model records)")
+    evaluate.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k")
+    generate.add_argument("prompt")
+    generate.add_argument("--n", type=int, default=1, help="samples")
+    for command in (evaluate, generate):
+        command.add_argument("--temperature", type=float, default=1.0, help="of the samples")
+        command.add_argument("--max-new-tokens", type=int, default=32)
+        command.add_argument("--max-model-len", type=int, default=512)
+        command.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -67,10 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if args.command == "train":  # flags for two run.* keys, applied as their overrides
+        args.overrides += [f"run.log_format={args.log_format}"] if args.log_format else []
+        args.overrides += ["run.verbose=true"] if args.verbose else []
     if args.command == "export":
         return _export(args.checkpoint, args.to)
     if args.command == "report":
         return _report(args.run_dir, args.out)
+    if args.command in ("eval", "generate"):
+        return _serve(args)
     if args.command == "train" and args.help_config:
         print(describe_config())
         return 0
@@ -134,6 +164,32 @@ def _report(run_dir: str, out_dir: str | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"report written to {summary}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`rl eval` and `rl generate` (rl.offline_eval); bad input exits 2 before vLLM starts."""
+    from rl import offline_eval
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the results, not vLLM's warnings
+    try:
+        offline_eval.check_model(Path(args.model))
+        if args.command == "eval":
+            task = offline_eval.task_of(Path(args.model), args.task)
+            rows = offline_eval.load_eval_rows(Path(args.data), task)
+        with offline_eval.model_directory(Path(args.model)) as model_dir:
+            evaluator = offline_eval.Evaluator(
+                model_dir, args.max_new_tokens, args.max_model_len, args.seed
+            )
+            if args.command == "eval":
+                result = evaluator.evaluate(rows, task, args.k, args.temperature)
+                print(f"{args.data}: {result.describe()}")
+            else:
+                samples = evaluator.sample([args.prompt], args.n, args.temperature)[0]
+                print(offline_eval.format_samples(args.prompt, samples, evaluator.tokenizer))
+    except (CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,6 +8,7 @@ on GPU, one GPU plus a CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -44,17 +45,26 @@ class Placement:
             remove_placement_group(group)
 
 
-def init_ray() -> bool:
+def init_ray(verbose: bool) -> bool:
     """Join the cluster named by RAY_ADDRESS (`ray job submit` and `rl train --address` set
-    it) or start a local one, never a stray `ray start` cluster found on this machine.
-    Returns whether this call connected, so the caller knows whose connection to close."""
+    it) or start a local one, never a stray `ray start` cluster found on this machine. Unless
+    `verbose`, Ray's own INFO lines and the workers' output stay off the console (actors
+    write to the run's logs/, rl.actor_logs). Returns whether this call connected, so the
+    caller knows whose connection to close."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
     ray.init(
         address=address or "local",
-        log_to_driver=True,
+        log_to_driver=verbose,
+        logging_level=logging.INFO if verbose else logging.WARNING,
         include_dashboard=False if not address else None,
+    )
+    where = f"joined the Ray cluster at {address}" if address else "started a local Ray"
+    print(
+        f"{where}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+        f"{ray.cluster_resources().get('GPU', 0):g} GPUs, {len(ray.nodes())} node(s)",
+        flush=True,
     )
     return True
 

@@ -70,7 +70,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     stop = StopRequest()
     num_restarts = 0
     with stop.installed():
-        connected = init_ray()
+        connected = init_ray(cfg.run.verbose)
         stop.install()
         # Ray is shut down inside the block: left to its atexit hook it would run after our
         # handlers are gone, and a second signal then would kill the process mid-shutdown.

@@ -10,6 +10,7 @@ read, and tested, in one place.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,8 @@ from rl.algorithms import (
 from rl.batching import build_batch, per_sample
 from rl.config import AlgorithmConfig, Config
 from rl.critic_group import CriticGroup
+from rl.flops import peak_flops, train_flops_per_token
+from rl.memory_plan import ModelShape
 from rl.rewards import RewardScorer
 from rl.train_group import TrainGroup
 from rl.types import Batch, Sample
@@ -170,6 +173,10 @@ class TrainerSide:
             cfg.recomputes_old_logprobs() or cfg.algorithm.kl_coef > 0 or critic is not None
         )
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        try:  # the sizes MFU is counted from; other architectures report no MFU
+            self._shape: ModelShape | None = ModelShape.read(Path(cfg.model.path))
+        except ValueError:
+            self._shape = None
 
     def annotate(self, samples: list[Sample]) -> Future:
         return self._thread.submit(
@@ -184,8 +191,20 @@ class TrainerSide:
             return {}
         batch, metrics = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller)
         metrics.update(self.trainers.train_step(batch))
+        metrics.update(self._utilisation(batch, metrics["timing/train_tokens_per_s"]))
         if self.critic is not None:
             metrics.update(self.critic.train_step(batch))
+        return metrics
+
+    def _utilisation(self, batch: Batch, tokens_per_s: float) -> dict[str, float]:
+        """The train step's model TFLOP/s (rl.flops), and its MFU on GPUs of known peak."""
+        if self._shape is None:
+            return {}
+        mean_length = batch.attention_mask.sum(dim=1).float().mean().item()
+        achieved = train_flops_per_token(self._shape, mean_length) * tokens_per_s
+        metrics = {"perf/train_tflops": achieved / 1e12}
+        if (peak := peak_flops(self.trainers.device_name)) is not None:
+            metrics["perf/mfu"] = achieved / (peak * self.cfg.trainer.num_workers)
         return metrics
 
     def push(self, version: int) -> dict[str, float]:

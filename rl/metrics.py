@@ -1,4 +1,6 @@
-"""Where step metrics go: a JSONL file in the run directory, wandb, and a console progress bar."""
+"""Where step metrics go: a JSONL file in the run directory, wandb, and the console: a progress
+bar, or with `run.log_format=json` each record as one JSON line on stdout (messages as
+{"message": ...}), for machines."""
 
 from __future__ import annotations
 
@@ -48,11 +50,12 @@ class MetricsLogger:
                 mode=cfg.run.wandb_mode,
                 config=cfg.model_dump(),
             )
+        self._json = cfg.run.log_format == "json"
         self._bar = tqdm(
             total=cfg.run.num_steps,
             initial=resume_step or 0,
             desc=cfg.run.name,
-            disable=not cfg.run.progress_bar,
+            disable=self._json or not cfg.run.progress_bar,
         )
         self._postfix: dict[str, str] = {}
 
@@ -62,8 +65,11 @@ class MetricsLogger:
             "step": step,
             **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()},
         }
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        self._file.write(line + "\n")
         self._file.flush()
+        if self._json:
+            print(line, flush=True)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         for key, label in CONSOLE_KEYS.items():
@@ -74,8 +80,11 @@ class MetricsLogger:
         self._bar.set_postfix(self._postfix, refresh=True)
 
     def print(self, message: str) -> None:
-        """A console line that does not break the progress bar."""
-        self._bar.write(message)
+        """A console line that does not break the progress bar (a JSON object in json mode)."""
+        if self._json:
+            print(json.dumps({"message": message}), flush=True)
+        else:
+            self._bar.write(message)
 
     def close(self) -> None:
         self._bar.close()

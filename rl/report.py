@@ -64,6 +64,7 @@ PANELS = (
         "tokens",
         (
             Series("response/mean_tokens", "mean response tokens"),
+            Series("response/max_tokens", "longest response"),
             Series("response/truncated", "fraction truncated", right_axis=True),
         ),
         right_ylabel="fraction truncated",

@@ -28,6 +28,8 @@ RESUMABLE_CHANGES = (
     "run.wandb_mode",
     "run.wandb_project",
     "run.progress_bar",
+    "run.log_format",
+    "run.verbose",
     "checkpoint.",
     "faults.",
 )

@@ -12,6 +12,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from rl.actor_logs import actor_log_file
 from rl.cluster import Placement
 from rl.config import Config
 from rl.scheduler_ports import WorkerLost
@@ -36,9 +37,12 @@ class RolloutGroup:
 
     def _start(self, index: int) -> ActorHandle:
         cfg = self._cfg
-        return RolloutWorker.options(**self._options[index]).remote(
+        worker = RolloutWorker.options(**self._options[index]).remote(
             cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
         )
+        if (log_file := actor_log_file(cfg, f"rollout-{index}")) is not None:
+            worker.log_to.remote(log_file)  # runs before `ready`: calls run in order
+        return worker
 
     def restart(self, index: int) -> ActorHandle:
         """Replace worker `index` (dead or not) by a fresh one on the checkpoint's weights

@@ -67,6 +67,16 @@ class RunConfig(Section):
     export_hf: bool = Field(
         True, description="Export the final policy as an HF checkpoint in the run directory."
     )
+    log_format: Literal["progress", "json"] = Field(
+        "progress",
+        description="Console output: a progress bar with the key numbers, or one JSON object a "
+        "line (each step's record, and messages) for machines.",
+    )
+    verbose: bool = Field(
+        False,
+        description="Stream Ray's and vLLM's worker output to the console; otherwise each actor "
+        "writes to runs/NAME/logs/ROLE.log.",
+    )
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="wandb mode."
     )

@@ -394,6 +394,7 @@ def step_metrics(
         "rollout/kept_groups": float(len(kept)),
         "rollout/tokens": float(sum(len(s.response_ids) for s in samples)),
         "response/mean_tokens": sum(len(s.response_ids) for s in samples) / num_samples,
+        "response/max_tokens": float(max((len(s.response_ids) for s in samples), default=0)),
         "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
         "rollout/staleness_mean": sum(lags) / num_samples,
         "rollout/staleness_max": float(max(lags, default=0)),

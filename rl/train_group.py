@@ -20,6 +20,7 @@ class TrainGroup:
         self.workers = create_train_group(
             cfg, [placement.actor_options(index, num_roles_sharing) for index in bundles]
         )
+        self.device_name: str = ray.get(self.workers[0].device_name.remote())  # for MFU
 
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
         """Log-probs [B, T-1] of `batch` under the policy or the frozen reference."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 
+from rl.actor_logs import redirect_output
 from rl.config import RolloutConfig
 from rl.types import Sample, SamplingParams
 from rollout.engine_loop import GenerationLoop
@@ -24,6 +25,10 @@ class RolloutWorker:
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
         self._args = (model_path, cfg, dtype, seed)
         self._loop: GenerationLoop | None = None
+
+    async def log_to(self, log_file: str) -> None:
+        """Send this process's output to `log_file` (rl.actor_logs); call before `ready`."""
+        redirect_output(log_file)
 
     async def ready(self) -> float:
         """Starts the engine (on the event-loop thread, where it will run: vLLM binds the

@@ -6,6 +6,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
+from rl.actor_logs import redirect_output
 from rl.config import Config
 from rl.types import Batch
 from trainer.critic import ValueTrainer
@@ -27,6 +28,9 @@ class CriticWorker:
 
     def get_master_addr_port(self) -> tuple[str, int]:
         return rendezvous_address()
+
+    def log_to(self, log_file: str) -> None:
+        redirect_output(log_file)
 
     def init_trainer(self, master_addr: str, master_port: int) -> None:
         """Build the ValueTrainer; blocks until all critic ranks have joined."""
@@ -57,4 +61,4 @@ def create_critic_group(cfg: Config, rank_options: list[dict] | None = None) -> 
             f"critic.num_workers={cfg.critic.num_workers} (0 = trainer.num_workers="
             f"{cfg.trainer.num_workers}) gives {world_size} critic ranks"
         )
-    return start_rank_group(CriticWorker, cfg, world_size, rank_options)
+    return start_rank_group(CriticWorker, cfg, world_size, rank_options, "critic")

@@ -31,7 +31,9 @@ from trainer.ranks import (
     micro_batches,
     mini_batch_slices,
     optimizer_step,
+    peak_memory_mb,
     rank_rows,
+    reset_peak_memory,
 )
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
@@ -164,9 +166,11 @@ class PolicyTrainer:
         other actor/* describe the steps taken only (a skipped step's metrics are typically
         NaN and describe no update): token-weighted means over their tokens, actor/loss and
         actor/grad_norm means over them, all NaN when every step was skipped; actor/lr is the
-        lr of the last step (for a skipped one, the lr the next step will use). Plus timing/*.
+        lr of the last step (for a skipped one, the lr the next step will use). Plus timing/*,
+        and memory/trainer_peak_mb, the largest rank's peak during the step.
         """
         mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
+        reset_peak_memory(self.device)
         start = time.perf_counter()
         totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
         loss_sum = grad_norm_sum = tokens = 0.0
@@ -205,6 +209,7 @@ class PolicyTrainer:
                 "actor/lr": step.lr,
                 "timing/train_step_s": seconds,
                 "timing/train_tokens_per_s": real_tokens / seconds,
+                "memory/trainer_peak_mb": peak_memory_mb(self.device),
             }
         )
         return out

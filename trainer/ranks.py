@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from rl.config import TrainerConfig
+from rl.memory import peak_rss_bytes, reset_peak_rss
 from rl.types import Batch
 
 
@@ -77,6 +78,23 @@ def init_rank(
         world_size=world_size,
     )
     return device, init_device_mesh(device.type, (world_size,))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a peak-memory window: CUDA's allocator peak, or this process's resident peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The largest rank's peak since `reset_peak_memory`, MiB (collective: every rank calls
+    it): allocated CUDA memory, or resident memory on CPU."""
+    local = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    peak = torch.tensor([float(local)], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item() / (1 << 20)
 
 
 def batch_to_device(batch: Batch, device: torch.device) -> Batch:

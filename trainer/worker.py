@@ -8,6 +8,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
+from rl.actor_logs import actor_log_file, redirect_output
 from rl.config import Config
 from rl.types import Batch
 from rl.weight_plan import AttentionShape, TensorSpec, plan_from_json
@@ -28,6 +29,9 @@ class TrainWorker:
 
     def get_master_addr_port(self) -> tuple[str, int]:
         return rendezvous_address()
+
+    def log_to(self, log_file: str) -> None:
+        redirect_output(log_file)
 
     def init_trainer(self, master_addr: str, master_port: int) -> None:
         """Build the PolicyTrainer; blocks until all ranks have joined."""
@@ -61,6 +65,11 @@ class TrainWorker:
     def write_weight_bucket(self, bucket: int) -> dict[str, float]:
         return self.trainer.write_weight_bucket(bucket)
 
+    def device_name(self) -> str:
+        """This rank's accelerator ("NVIDIA H200", ...), or "cpu"."""
+        device = self.trainer.device
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -74,7 +83,11 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 def start_rank_group(
-    actor_class: type, cfg: Config, world_size: int, rank_options: list[dict] | None
+    actor_class: type,
+    cfg: Config,
+    world_size: int,
+    rank_options: list[dict] | None,
+    role: str,
 ) -> list[ActorHandle]:
     """Start `world_size` ranks of `actor_class` and wait until they form one process group.
 
@@ -82,7 +95,8 @@ def start_rank_group(
     `init_trainer(addr, port)`. Rank r starts with `.options(**rank_options[r])` (its bundle
     and its share of it: `rl.cluster.Placement.actor_options`), or on one CPU anywhere when
     `rank_options` is None. Rank 0 hosts the rendezvous on its own node, so the ranks may
-    span nodes. Returns the handles in rank order.
+    span nodes. Rank r's output goes to the run's `ROLE-r.log` (rl.actor_logs) unless the run
+    is verbose. Returns the handles in rank order.
     """
     options = [{"num_cpus": 1.0}] * world_size if rank_options is None else rank_options
     if len(options) != world_size:
@@ -91,6 +105,8 @@ def start_rank_group(
         actor_class.options(**rank).remote(cfg, index, world_size)
         for index, rank in enumerate(options)
     ]
+    log_files = [actor_log_file(cfg, f"{role}-{rank}") for rank in range(world_size)]
+    ray.get([w.log_to.remote(f) for w, f in zip(workers, log_files, strict=True) if f])
     addr, port = ray.get(workers[0].get_master_addr_port.remote())
     ray.get([w.init_trainer.remote(addr, port) for w in workers])
     return workers
@@ -101,4 +117,4 @@ def create_train_group(cfg: Config, rank_options: list[dict] | None = None) -> l
     world_size = cfg.trainer.num_workers
     if world_size < 1:
         raise ValueError(f"trainer.num_workers={world_size} < 1")
-    return start_rank_group(TrainWorker, cfg, world_size, rank_options)
+    return start_rank_group(TrainWorker, cfg, world_size, rank_options, "trainer")

@@ -39,6 +39,9 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "held-out greedy accuracy before RL:" in result.stdout
+    # The console shows the driver's lines only: the workers' output went to the run's logs/.
+    assert "(RolloutWorker pid=" not in result.stdout + result.stderr
+    assert "started a local Ray: " in result.stdout
     assert "before ->" in result.stdout and "after 3 steps" in result.stdout
 
     base_info = json.loads((tmp_path / "base" / "base_info.json").read_text())
@@ -61,6 +64,47 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
 
     _check_schema(records)
     _check_report(run_dir)
+    _check_eval_and_generate(tmp_path, run_dir, base_info)
+
+
+def _rl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> None:
+    """`rl eval` reproduces the base's recorded held-out accuracy (vLLM against the base
+    builder's transformers greedy decoding), evaluates a run checkpoint, and `rl generate`
+    prints samples with their log-probs."""
+    test_file = next((tmp_path / "data").glob("addition-*/test.jsonl"))
+    max_new = str(json.loads((run_dir / "config.json").read_text())["rollout"]["max_new_tokens"])
+    base = _rl(
+        "eval", str(tmp_path / "base"), "--data", str(test_file), "--max-new-tokens", max_new
+    )
+    assert base.returncode == 0, base.stderr[-3000:]
+    accuracy = float(re.search(r"greedy accuracy ([\d.]+)% over (\d+) prompts", base.stdout)[1])
+    # Near-tied logits may decode differently in the two engines: within a prompt or two.
+    assert abs(accuracy / 100 - base_info["greedy_accuracy"]) <= 0.01, base.stdout
+
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    trained = _rl(
+        "eval", str(checkpoint), "--data", str(test_file), "--k", "4", "--max-new-tokens", max_new
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert re.search(r"pass@4 [\d.]+%, pass@1 [\d.]+%", trained.stdout), trained.stdout
+
+    generated = _rl(
+        "generate", str(run_dir / "hf"), "12+34", "--n", "2", "--max-new-tokens", max_new
+    )
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    samples = re.findall(r"sample (\d) \((stop|length), log-prob (-?[\d.]+)\)", generated.stdout)
+    assert [index for index, _, _ in samples] == ["0", "1"], generated.stdout
+    assert all(float(logprob) <= 0 for _, _, logprob in samples)
 
 
 def _documented_keys() -> re.Pattern:
@@ -113,7 +157,10 @@ def _check_report(run_dir: Path) -> None:
     assert list(lines["held-out greedy accuracy"].get_xdata()) == [0, 2, 3]
     assert list(lines["reward (mean)"].get_xdata()) == [1, 2, 3]
     length, truncated = figures["length.png"].axes
-    assert [line.get_label() for line in length.get_lines()] == ["mean response tokens"]
+    assert [line.get_label() for line in length.get_lines()] == [
+        "mean response tokens",
+        "longest response",
+    ]
     assert truncated.get_ylabel() == "fraction truncated"
     kl = [line.get_label() for line in figures["kl_entropy.png"].axes[0].get_lines()]
     assert kl == ["entropy", "KL to the old policy"]  # no reference: kl_coef is 0

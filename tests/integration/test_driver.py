@@ -87,6 +87,10 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
             "time/step_s",
         ):
             assert record[key] is not None and math.isfinite(record[key]), key
+        # Model TFLOP/s from the config, and the trainer's peak memory; no MFU on CPUs.
+        assert record["perf/train_tflops"] > 0 and "perf/mfu" not in record
+        assert record["memory/trainer_peak_mb"] > 100
+        assert record["response/max_tokens"] >= record["response/mean_tokens"]
     assert final["rollout/version"] == 2
     # On-policy and colocated: every sample is the current version's, nothing overlaps.
     assert all(r["rollout/staleness_max"] == 0 for r in records[1:])
@@ -104,6 +108,10 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     assert before.keys() == after.keys()
     changed = [name for name in before if not torch.equal(before[name], after[name])]
     assert "lm_head.weight" in changed and len(changed) > len(before) // 2
+    # Not verbose: each actor wrote its output (vLLM's, transformers') to its own log file.
+    logs = {path.name: path.read_text() for path in (run_dir / "logs").iterdir()}
+    assert sorted(logs) == ["rollout-0.log", "trainer-0.log", "trainer-1.log"]
+    assert all(text.strip() for text in logs.values()), logs
 
 
 def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(

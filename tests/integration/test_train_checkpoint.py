@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from rl.config import Config
+from rl.metrics import is_measurement
 from rl.types import Batch
 from trainer.checkpoint import SafeReader
 from trainer.policy import PolicyTrainer
@@ -92,9 +93,9 @@ def test_a_restored_trainer_takes_the_same_step_bit_for_bit_and_reshards(
     for name, tensor in result["saved"].items():
         assert torch.equal(result["restored"][name], tensor), name
     (straight_metrics, straight), (resumed_metrics, resumed) = result["straight"], result["resumed"]
-    timing = {k for k in straight_metrics if k.startswith("timing/")}
-    assert {k: v for k, v in straight_metrics.items() if k not in timing} == {
-        k: v for k, v in resumed_metrics.items() if k not in timing
+    measured = {k for k in straight_metrics if is_measurement(k)}  # time, memory
+    assert {k: v for k, v in straight_metrics.items() if k not in measured} == {
+        k: v for k, v in resumed_metrics.items() if k not in measured
     }
     assert straight_metrics["actor/lr"] == pytest.approx(1e-2 * 2 / 3)  # warmup restored
     for name, tensor in straight.items():

@@ -147,6 +147,28 @@ def test_the_ray_runtime_env_example_ships_the_checkout_and_streams_logs() -> No
     assert runtime_env["env_vars"]["PYTHONUNBUFFERED"] == "1"
 
 
+def test_log_format_and_verbose_flags_set_their_run_keys() -> None:
+    result = run_cli("train", DEMO, "--dry-run", "--log-format", "json", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert '"log_format": "json"' in result.stdout and '"verbose": true' in result.stdout
+
+
+def test_eval_of_a_non_model_or_a_missing_data_file_fails_before_vllm_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    not_a_model = run_cli("eval", str(tmp_path), "--data", "x.jsonl", "--task", "addition")
+    assert not_a_model.returncode == 2
+    assert f"{tmp_path} is neither an HF model directory" in not_a_model.stderr
+    missing = run_cli("eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"))
+    assert missing.returncode == 2
+    assert "does not record its task: give --task" in missing.stderr
+    missing = run_cli(
+        "eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"), "--task", "addition"
+    )
+    assert missing.returncode == 2
+    assert f"data file not found: {tmp_path / 'no.jsonl'}" in missing.stderr
+
+
 def test_report_of_a_directory_without_a_run_names_the_missing_file(tmp_path: Path) -> None:
     result = run_cli("report", str(tmp_path))
     assert result.returncode == 2
