@@ -61,9 +61,10 @@ def init_ray(verbose: bool) -> bool:
         include_dashboard=False if not address else None,
     )
     where = f"joined the Ray cluster at {address}" if address else "started a local Ray"
+    resources = ray.cluster_resources()
     print(
-        f"{where}: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
-        f"{ray.cluster_resources().get('GPU', 0):g} GPUs, {len(ray.nodes())} node(s)",
+        f"{where}: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs, "
+        f"{len(ray.nodes())} node(s)",
         flush=True,
     )
     return True

@@ -104,11 +104,7 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     else:
         num_devices = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
         pools = [range(num_devices)]
-    node_groups = [
-        list(pool[start : start + (per_node or len(pool))])
-        for pool in pools
-        for start in range(0, len(pool), per_node or len(pool))
-    ]
+    node_groups = [group for pool in pools for group in _chunks(pool, per_node or len(pool))]
     return PlacementPlan(cfg.scheduler.placement, num_devices, roles, node_groups, tp)
 
 
@@ -117,3 +113,8 @@ def _spread(num_actors: int, num_devices: int, width: int, first: int) -> list[i
     round-robin over `num_devices` bundles from `first`."""
     slots = max(num_devices // width, 1)
     return [first + (index % slots) * width for index in range(num_actors)]
+
+
+def _chunks(pool: range, size: int) -> list[list[int]]:
+    """`pool`'s bundles in consecutive groups of `size` (the last may be smaller)."""
+    return [list(pool[start : start + size]) for start in range(0, len(pool), size)]

@@ -178,9 +178,9 @@ def draw_timeline(trace_path: Path) -> Figure | None:
     return draw_trace(spans, load_lanes(trace_path), title, start, end)
 
 
-def build_figures(run_dir: Path) -> dict[str, Figure]:
-    """File name -> figure, for every plot the run has data for."""
-    records = read_metrics(run_dir)
+def build_figures(run_dir: Path, records: list[dict]) -> dict[str, Figure]:
+    """File name -> figure, for every plot the run's `records` (read_metrics) and trace have
+    data for."""
     figures = {panel.file: draw_panel(panel, records) for panel in PANELS}
     figures[STEP_TIME_FILE] = draw_step_time(records)
     figures[TIMELINE_FILE] = draw_timeline(run_dir / TRACE_FILE)
@@ -191,12 +191,13 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the PNGs and summary.md to `out_dir` (default RUN_DIR/report); returns the
     summary's path."""
     out_dir = out_dir or run_dir / "report"
-    figures = build_figures(run_dir)
+    records = read_metrics(run_dir)
+    figures = build_figures(run_dir, records)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, fig in figures.items():
         fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
     summary = out_dir / SUMMARY_FILE
-    summary.write_text(_summary(run_dir, read_metrics(run_dir), list(figures)))
+    summary.write_text(_summary(run_dir, records, list(figures)))
     return summary
 
 

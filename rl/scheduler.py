@@ -13,7 +13,8 @@ A rollout worker lost mid-generation is replaced on the rollout's weights; its g
 again from what the driver holds: fresh samples (same seeds), aborted ones from their prefix.
 
 The workers are reached through three small ports, so tests drive the same loop with fakes;
-they and the loop's `Settings` are in rl.scheduler_ports.
+they and the loop's `Settings` are in rl.scheduler_ports; a group and its step metrics are
+in rl.groups.
 """
 
 from __future__ import annotations
@@ -21,27 +22,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 
 import torch
 
 from rl.admission import Admission
 from rl.algorithms import dynamic_sampling_keep
+from rl.groups import Group, step_metrics
 from rl.scheduler_ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
 from rl.trace import Trace
 from rl.types import Sample, SamplingParams, fresh_samples
-
-
-@dataclass
-class Group:
-    """One prompt's G samples, tied to the step that will train on them."""
-
-    group_id: int
-    step: int
-    example: dict
-    samples: list[Sample]
-    scores: list[float] = field(default_factory=list)
-    annotated: bool = False
 
 
 class Scheduler:
@@ -376,40 +365,3 @@ class Scheduler:
             self._annotated(*payload, result)
         else:
             self._trained(*payload, result)
-
-
-def step_metrics(
-    step: int,
-    finished: list[Group],
-    kept: list[Group],
-    reward_calls: list[tuple[dict[str, float], int]],
-) -> dict[str, float]:
-    """What step `step` generated (every scored group) and trains on (the kept ones);
-    `reward_calls` are the metrics and sample counts of the scoring calls of its groups."""
-    samples = [sample for group in kept for sample in group.samples]
-    num_samples = max(len(samples), 1)
-    lags = [step - 1 - s.policy_version for s in samples]
-    metrics = {
-        "rollout/generated_groups": float(len(finished)),
-        "rollout/kept_groups": float(len(kept)),
-        "rollout/tokens": float(sum(len(s.response_ids) for s in samples)),
-        "response/mean_tokens": sum(len(s.response_ids) for s in samples) / num_samples,
-        "response/max_tokens": float(max((len(s.response_ids) for s in samples), default=0)),
-        "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
-        "rollout/staleness_mean": sum(lags) / num_samples,
-        "rollout/staleness_max": float(max(lags, default=0)),
-        "rollout/resumed_samples": sum(len(set(s.token_versions)) > 1 for s in samples)
-        / num_samples,
-    }
-    if finished:
-        scores = torch.tensor([score for group in finished for score in group.scores])
-        metrics["reward/mean"] = scores.mean().item()
-        metrics["reward/solved_groups"] = sum(max(g.scores) > 0 for g in finished) / len(finished)
-    total = sum(n for _, n in reward_calls)
-    for key in reward_calls[0][0] if reward_calls else {}:
-        # Counts (errors, timeouts) add up over calls; means are weighted by their samples.
-        if key.endswith(("errors", "timeouts")):
-            metrics[key] = sum(m[key] for m, _ in reward_calls)
-        else:
-            metrics[key] = sum(m[key] * n for m, n in reward_calls) / total
-    return metrics

@@ -118,8 +118,7 @@ def load_sharded(
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
     wrapper = LogProbModel(model, trainer_cfg)
-    checkpointed = (
-        trainable and trainer_cfg.activation_checkpointing
-    )  # nothing to save under no_grad
+    # A frozen model runs under no_grad: it saves no activations to recompute.
+    checkpointed = trainable and trainer_cfg.activation_checkpointing
     shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, checkpointed)
     return wrapper

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl.report import build_figures
+from rl.report import build_figures, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -145,7 +145,7 @@ def _check_report(run_dir: Path) -> None:
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
         assert f"]({name})" in summary, name
 
-    figures = build_figures(run_dir)
+    figures = build_figures(run_dir, read_metrics(run_dir))
     reward = figures["reward.png"].axes[0]
     assert reward.get_xlabel() == "step"
     lines = {line.get_label(): line for line in reward.get_lines()}
