@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         cfg = load_config(recipe, overrides)
         start = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "rl.cli", "train", recipe, *overrides, "run.progress_bar=false"],
+            [sys.executable, "-m", "rl.cli", "train", recipe, *overrides],
             cwd=REPO,
             check=True,
         )

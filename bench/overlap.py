@@ -32,7 +32,7 @@ RECIPE = "recipes/grpo_addition_cpu.yaml"
 
 def run(name: str, overrides: list[str]) -> tuple[list[dict], Path, float]:
     """`rl train` the demo as a user would; returns its metrics records, run dir, wall s."""
-    args = [*overrides, f"run.name={name}", "run.wandb_mode=disabled", "run.progress_bar=false"]
+    args = [*overrides, f"run.name={name}", "run.wandb_mode=disabled"]
     args.append("run.export_hf=false")
     cfg = load_config(REPO / RECIPE, args)
     start = time.perf_counter()

@@ -173,9 +173,9 @@ def _run(
             prompts_stream.load_state_dict(state.prompt_stream)
             trainer_side.kl_controller.coef = state.kl_coef
             weight_sync.push(state.step)
-        trace = Trace(plan.trace_lanes())
         logger = MetricsLogger(cfg, run_dir, resume_step=state.step if state else None)
         closers.append(logger.close)
+        trace = Trace(plan.trace_lanes(), on_phases=logger.show_phases)
         loop = _Loop(cfg, rollout, tokenizer, task, test_examples, prompts_stream, trace, logger)
         scheduler = Scheduler(
             Settings.from_config(cfg, placement.use_gpu),
@@ -222,6 +222,8 @@ def _train_steps(
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     for step, metrics in scheduler.run():
+        # Asked here, not by the scheduler: its ports stay what its fakes implement.
+        metrics["memory/rollout_peak_mb"] = loop.rollout.peak_memory_mb()
         logger.log(step, metrics)
         skipped = metrics.get("actor/nonfinite_skipped", 0) + metrics.get(
             "critic/nonfinite_skipped", 0
@@ -315,13 +317,16 @@ class _Loop:
         return accuracy
 
     def accuracy_before(self, data_counts: dict[str, float]) -> float:
-        """Step 0's record: held-out accuracy and the data rows skipped or filtered."""
+        """Step 0's record: held-out accuracy, the data rows skipped or filtered, and the
+        rollout's peak memory since it started."""
         accuracy = self.held_out_accuracy()
         self.logger.print(f"held-out greedy accuracy before RL: {accuracy:.1%}")
         dropped = {key: n for key, n in data_counts.items() if n}
         if dropped:
             self.logger.print(f"data rows left out: {dropped}")
-        self.logger.log(0, {"eval/accuracy": accuracy, **data_counts})
+        # The rollout's peak so far (startup, this evaluation) goes here, not into step 1's.
+        peak = {"memory/rollout_peak_mb": self.rollout.peak_memory_mb()}
+        self.logger.log(0, {"eval/accuracy": accuracy, **data_counts, **peak})
         return accuracy
 
     def on_version(self, version: int) -> dict[str, float]:

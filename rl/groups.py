@@ -50,7 +50,8 @@ def step_metrics(
         metrics["reward/solved_groups"] = sum(max(g.scores) > 0 for g in finished) / len(finished)
     total = sum(n for _, n in reward_calls)
     for key in reward_calls[0][0] if reward_calls else {}:
-        # Counts (errors, timeouts) add up over calls; means are weighted by their samples.
+        # Counts (errors, timeouts) add up over calls; means and accuracies (fractions of
+        # samples) are weighted by their samples.
         if key.endswith(("errors", "timeouts")):
             metrics[key] = sum(m[key] for m, _ in reward_calls)
         else:

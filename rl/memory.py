@@ -1,8 +1,20 @@
-"""Resident memory of this process, from /proc (Linux): peak tracking over a window of work."""
+"""Peak memory of this process over a window of work: resident memory from /proc (Linux), or
+CUDA's allocator when the process uses a GPU.
+
+Two kinds of window share the kernel's one peak counter (VmHWM): short ones that
+`reset_peak_rss` opens and `peak_rss_bytes` reads (a train step, a weight sync), and the long
+ones between calls of `take_peak_rss_bytes` (a whole step, reported per step). A reset folds
+the peak it clears into the long window, so the short windows do not shorten it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
+
+# The largest peak `reset_peak_rss` cleared since the last `take_peak_rss_bytes`.
+_folded_peak_bytes = 0
 
 
 def _status_kib(field: str) -> int:
@@ -22,6 +34,34 @@ def peak_rss_bytes() -> int:
     return _status_kib("VmHWM") << 10
 
 
-def reset_peak_rss() -> None:
-    """Start a new peak window: the kernel sets the peak to the current RSS."""
+def _clear_peak() -> None:
+    """The kernel sets the peak to the current RSS."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def reset_peak_rss() -> None:
+    """Start a new short peak window (the peak so far still counts for the long one)."""
+    global _folded_peak_bytes
+    _folded_peak_bytes = max(_folded_peak_bytes, peak_rss_bytes())
+    _clear_peak()
+
+
+def take_peak_rss_bytes() -> int:
+    """The largest resident set size since the previous take (or the process start), short
+    windows in between included; starts the next long window. Call it outside short windows:
+    it clears the peak they read."""
+    global _folded_peak_bytes
+    peak = max(_folded_peak_bytes, peak_rss_bytes())
+    _folded_peak_bytes = 0
+    _clear_peak()
+    return peak
+
+
+def take_peak_memory_bytes() -> int:
+    """`take_peak_rss_bytes`, or in a process that uses CUDA the allocator's peak on the
+    current device since the previous take (the device memory is what runs out there)."""
+    if torch.cuda.is_initialized():
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+    return take_peak_rss_bytes()

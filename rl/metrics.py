@@ -1,25 +1,16 @@
-"""Where step metrics go: a JSONL file in the run directory, wandb, and the console: a progress
-bar, or with `run.log_format=json` each record as one JSON line on stdout (messages as
-{"message": ...}), for machines."""
+"""Where step metrics go: always `metrics.jsonl` in the run directory (schema in
+docs/metrics.md), the trackers the run asks for (rl.trackers: wandb, tensorboard), and the
+console (rl.console: a live progress display, a line a step, or JSON lines)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
-from tqdm import tqdm
-
 from rl.config import Config
-
-# The few numbers worth a glance on the console; everything goes to JSONL and wandb.
-CONSOLE_KEYS = {
-    "reward/mean": "reward",
-    "eval/accuracy": "acc",
-    "perf/gen_tokens_per_s": "tok/s",
-    "time/step_s": "s/step",
-}
+from rl.console import JsonConsole, ProgressConsole
+from rl.trackers import open_trackers
 
 
 class MetricsLogger:
@@ -38,26 +29,13 @@ class MetricsLogger:
         self._file = self.path.open("w")
         self._file.writelines(kept)
         self._file.flush()
-        self._wandb = None
-        if cfg.run.wandb_mode != "disabled":
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(
-                project=cfg.run.wandb_project,
-                name=cfg.run.name,
-                dir=str(run_dir),
-                mode=cfg.run.wandb_mode,
-                config=cfg.model_dump(),
-            )
-        self._json = cfg.run.log_format == "json"
-        self._bar = tqdm(
-            total=cfg.run.num_steps,
-            initial=resume_step or 0,
-            desc=cfg.run.name,
-            disable=self._json or not cfg.run.progress_bar,
-        )
-        self._postfix: dict[str, str] = {}
+        if cfg.run.log_format == "json":
+            self.console: JsonConsole | ProgressConsole = JsonConsole()
+        else:
+            self.console = ProgressConsole(cfg.run.name, cfg.run.num_steps, resume_step or 0)
+        self._trackers = open_trackers(cfg, run_dir, resume_step)
+        for tracker in self._trackers:
+            self.console.message(tracker.where())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's flat `section/name` metrics; non-finite values are kept as null."""
@@ -65,32 +43,26 @@ class MetricsLogger:
             "step": step,
             **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()},
         }
-        line = json.dumps(record)
-        self._file.write(line + "\n")
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._json:
-            print(line, flush=True)
-        if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
-        for key, label in CONSOLE_KEYS.items():
-            if key in metrics:
-                self._postfix[label] = f"{metrics[key]:.3g}"
-        if step > self._bar.n:
-            self._bar.update(step - self._bar.n)
-        self._bar.set_postfix(self._postfix, refresh=True)
+        for tracker in self._trackers:
+            tracker.log(step, metrics)
+        self.console.step(record)
 
     def print(self, message: str) -> None:
-        """A console line that does not break the progress bar (a JSON object in json mode)."""
-        if self._json:
-            print(json.dumps({"message": message}), flush=True)
-        else:
-            self._bar.write(message)
+        """A console line that leaves the progress display intact (a JSON object in json
+        mode)."""
+        self.console.message(message)
+
+    def show_phases(self, phases: list[str]) -> None:
+        """The phases running now, for the live display (a rl.trace listener)."""
+        self.console.phases(phases)
 
     def close(self) -> None:
-        self._bar.close()
+        self.console.close()
         self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def is_measurement(key: str) -> bool:

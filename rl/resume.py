@@ -27,7 +27,7 @@ RESUMABLE_CHANGES = (
     "run.output_dir",
     "run.wandb_mode",
     "run.wandb_project",
-    "run.progress_bar",
+    "run.tensorboard",
     "run.log_format",
     "run.verbose",
     "checkpoint.",

@@ -6,6 +6,7 @@ worker (interrupt, memory) skip a dead one, so the scheduler learns of it in one
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 
 import ray
@@ -102,6 +103,11 @@ class RolloutGroup:
 
     def reclaim_memory(self) -> None:
         self._on_live_workers("reclaim_memory")
+
+    def peak_memory_mb(self) -> float:
+        """The largest worker's peak memory since the previous call, MiB (NaN when none
+        answers: MetricsLogger writes it as null)."""
+        return max(self._on_live_workers("peak_memory_mb"), default=math.nan)
 
     def _on_live_workers(self, method: str) -> list:
         """`method`'s results on every worker that answers: a dead one is skipped, as its

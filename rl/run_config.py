@@ -69,19 +69,25 @@ class RunConfig(Section):
     )
     log_format: Literal["progress", "json"] = Field(
         "progress",
-        description="Console output: a progress bar with the key numbers, or one JSON object a "
-        "line (each step's record, and messages) for machines.",
+        description="Console output: progress (a live display of step i/N, ETA, the running "
+        "phases and key numbers on a terminal; a line a step elsewhere), or json (each step's "
+        "record and each message as one JSON object a line, for machines).",
     )
     verbose: bool = Field(
         False,
         description="Stream Ray's and vLLM's worker output to the console; otherwise each actor "
         "writes to runs/NAME/logs/ROLE.log.",
     )
-    wandb_mode: Literal["offline", "online", "disabled"] = Field(
-        "offline", description="wandb mode."
+    wandb_mode: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto",
+        description="wandb: auto = online when this machine has wandb credentials "
+        "(WANDB_API_KEY or `wandb login`), else offline under the run directory; a WANDB_MODE "
+        "environment variable wins over auto.",
     )
     wandb_project: str = Field("tandem", description="wandb project.")
-    progress_bar: bool = Field(True, description="Show a progress bar on the console.")
+    tensorboard: bool = Field(
+        True, description="Also write the step metrics as tensorboard scalars (RUN/tensorboard)."
+    )
 
 
 class CheckpointConfig(Section):

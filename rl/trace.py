@@ -53,13 +53,20 @@ class Trace:
     """
 
     def __init__(
-        self, lanes: dict[str, list[int]], clock: Callable[[], float] = time.perf_counter
+        self,
+        lanes: dict[str, list[int]],
+        clock: Callable[[], float] = time.perf_counter,
+        on_phases: Callable[[list[str]], None] | None = None,
     ) -> None:
+        """`on_phases` hears the phases open on any lane (in PHASES order) whenever that
+        set changes: the console shows what the run is doing now."""
         self.lanes = {name: list(devices) for name, devices in lanes.items()}
         self.spans: list[Span] = []  # closed spans, in closing order
         self._clock = clock
         self._origin = clock()
         self._open: dict[tuple[str, str], _Open] = {}
+        self._on_phases = on_phases
+        self._open_phases: list[str] = []
 
     def begin(self, lane: str, phase: str, step: int | None = None) -> None:
         """Open (lane, phase), or count one more begin if it is already open.
@@ -74,6 +81,7 @@ class Trace:
             self._open[key].count += 1
         else:
             self._open[key] = _Open(count=1, start=self._clock(), step=step)
+            self._phases_changed()
 
     def end(self, lane: str, phase: str) -> None:
         """Count one end of (lane, phase); the span closes when every begin has ended."""
@@ -85,6 +93,13 @@ class Trace:
         if opened.count == 0:
             del self._open[key]
             self.spans.append(Span(lane, phase, opened.start, self._clock(), opened.step))
+            self._phases_changed()
+
+    def _phases_changed(self) -> None:
+        phases = [phase for phase in PHASES if any(p == phase for _, p in self._open)]
+        if self._on_phases is not None and phases != self._open_phases:
+            self._on_phases(phases)
+        self._open_phases = phases
 
     @contextmanager
     def span(self, lane: str, phase: str, step: int | None = None) -> Iterator[None]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rl.config import RolloutConfig
+from rl.memory import take_peak_memory_bytes
 from rl.types import Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -302,6 +303,13 @@ class VLLMEngine:
             self._llm.wake_up()
             self._asleep = False
 
+    def take_peak_memory_bytes(self) -> int:
+        """The largest TP rank's peak memory since the previous call (`rl.memory`'s
+        take_peak_memory_bytes in each rank's process: resident, or allocated CUDA memory).
+        The ranks are where the weights and KV cache live: with TP > 1 they are processes of
+        their own, which this one's memory would miss."""
+        return max(self._llm.collective_rpc(_take_peak_memory_bytes))
+
     def _check_idle(self, what: str) -> None:
         if self._running:
             raise RuntimeError(
@@ -318,6 +326,11 @@ class VLLMEngine:
                 f"{self._updating_to} over {self.version}); it serves again after a complete "
                 "sync"
             )
+
+
+def _take_peak_memory_bytes(worker: object) -> int:
+    """Run by collective_rpc in each TP rank's process; `worker` is vLLM's worker there."""
+    return take_peak_memory_bytes()
 
 
 def _requests(samples: list[Sample], n: int) -> list[list[Sample]]:

@@ -74,6 +74,11 @@ class RolloutWorker:
     async def reclaim_memory(self) -> None:
         self._engine.reclaim_memory()
 
+    async def peak_memory_mb(self) -> float:
+        """The engine's peak memory since the previous call, MiB (VLLMEngine's
+        take_peak_memory_bytes)."""
+        return self._engine.take_peak_memory_bytes() / (1 << 20)
+
     async def score(
         self, sequences: list[list[int]], num_prompt_tokens: list[int]
     ) -> list[list[float]]:

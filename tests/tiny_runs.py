@@ -42,7 +42,7 @@ def tiny_run_tree(shared: Path, output_dir: Path, name: str, **sections: dict) -
             "eval_every": 0,
             "num_eval_prompts": 8,
             "wandb_mode": "disabled",
-            "progress_bar": False,
+            "tensorboard": False,
         },
     }
     for section, values in sections.items():

@@ -30,7 +30,9 @@ from trainer.ranks import (
     micro_batches,
     mini_batch_slices,
     optimizer_step,
+    peak_memory_mb,
     rank_rows,
+    reset_peak_memory,
 )
 
 # Sums over valid tokens, all-reduced over ranks: the metrics and explained variance need them.
@@ -178,11 +180,13 @@ class ValueTrainer:
         every step was skipped): value_loss and grad_norm are means over them, value_clip_frac
         and values_mean token means, and explained_variance 1 - Var[R - V] / Var[R] over their
         valid tokens (values as predicted before each update); lr is the last step's lr (for a
-        skipped one, the lr the next step will use).
+        skipped one, the lr the next step will use). Plus timing/critic_step_s, and
+        memory/critic_peak_mb, the largest rank's peak during the step.
         """
         if batch.returns is None or batch.old_values is None:
             raise ValueError("critic train_step needs batch.returns and batch.old_values")
         mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
+        reset_peak_memory(self.device)
         start = time.perf_counter()
         totals = dict.fromkeys(_SUMS, 0.0)
         loss_sum = grad_norm_sum = 0.0
@@ -225,6 +229,7 @@ class ValueTrainer:
             "critic/nonfinite_skipped": float(skipped),
             "critic/lr": step.lr,
             "timing/critic_step_s": time.perf_counter() - start,
+            "memory/critic_peak_mb": peak_memory_mb(self.device),
         }
 
     def save_checkpoint(self, directory: str) -> None:

@@ -148,7 +148,8 @@ class RewardScorer:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(rewards [B] float32, metrics): the weighted sum of all terms for each response.
 
-        Metrics: `reward/<label>_mean` per term (unweighted), and `reward/errors` and
+        Metrics: `reward/<label>_mean` per term (unweighted), `reward/<label>_accuracy` per
+        function term (the fraction of samples scored above 0), and `reward/errors` and
         `reward/timeouts`, the function calls of this batch that raised or ran out of time and
         scored 0 (with reward.on_error="fail" the first one raises RuntimeError instead). With
         reward models, `reward/model_actor_errors`: how many times their actors died during
@@ -192,11 +193,22 @@ class RewardScorer:
         rewards = (self._weights @ scores).float()
         means = scores.mean(dim=1).tolist() if n else [0.0] * len(self.labels)
         metrics = {f"reward/{label}_mean": m for label, m in zip(self.labels, means, strict=True)}
+        metrics.update(self._accuracies(scores))
         metrics["reward/errors"] = float(counts["error"])
         metrics["reward/timeouts"] = float(counts["timeout"])
         if self._models:  # only then: runs without reward models keep their metrics as they were
             metrics["reward/model_actor_errors"] = float(actor_errors)
         return rewards, metrics
+
+    def _accuracies(self, scores: torch.Tensor) -> dict[str, float]:
+        """`reward/<label>_accuracy` of each function term: the fraction of samples it scored
+        above 0. Verifiers and tasks score 0 or 1, so this is how often they judged a response
+        right; a reward model's scores have no such threshold."""
+        n = max(scores.shape[1], 1)
+        return {
+            f"reward/{self.labels[index]}_accuracy": (scores[index] > 0).sum().item() / n
+            for index, _ in self._functions
+        }
 
     def close(self) -> None:
         """Stop the worker processes and the reward-model actors."""

@@ -78,6 +78,10 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     run_dir = Path(cfg.run.output_dir) / "two-steps"
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
+    for record in records:
+        # The engine process's resident peak: torch, vLLM, the model and its KV cache (step 0:
+        # since the engine started).
+        assert 100 < record["memory/rollout_peak_mb"] < 32_768
     for record in records[1:]:
         for key in (
             "actor/pg_loss",
@@ -137,6 +141,7 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
     for record in records[1:]:
         for key in ("critic/value_loss", "critic/grad_norm", "kl/coef", "actor/pg_loss"):
             assert record[key] is not None and math.isfinite(record[key]), key
+        assert record["memory/critic_peak_mb"] > 100
         # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
         assert record["off_policy/max_abs_logprob_gap"] < 1e-3
         assert record["off_policy/kept_token_frac"] == 1.0

@@ -107,6 +107,9 @@ def test_scorer_with_model_term(reward_model_dir: Path, local_ray: None) -> None
     torch.testing.assert_close(rewards, 0.5 * expected + 2.0 * right, rtol=0, atol=1e-5)
     assert metrics["reward/model_tiny_rm_mean"] == pytest.approx(expected.mean().item(), abs=1e-5)
     assert metrics["reward/arithmetic_mean"] == pytest.approx(1 / len(PROMPTS))
+    # Accuracy is a verifier's: a reward model's scores have no "right" threshold.
+    assert metrics["reward/arithmetic_accuracy"] == pytest.approx(1 / len(PROMPTS))
+    assert "reward/model_tiny_rm_accuracy" not in metrics
 
 
 def _kill_and_wait(actor: ActorHandle) -> None:

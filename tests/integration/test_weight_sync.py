@@ -151,6 +151,10 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     assert max(_gaps(setup)) < 1e-4
     assert setup.sync.transport == SETUPS[setup.name][-1].replace("auto", "shared_memory")
     assert setup.rollout.versions() == [version] * len(setup.rollout.workers)
+    # Each engine's largest TP rank (its own process with TP 2), the sync's peak included.
+    peak_mb = setup.rollout.peak_memory_mb()
+    assert 100 < peak_mb < 32_768
+    assert peak_mb >= metrics["weight_sync/rollout_peak_extra_mb"]
 
     plan = setup.sync.plan
     assert metrics["weight_sync/buckets"] == len(plan.buckets) > 2

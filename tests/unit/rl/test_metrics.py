@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +12,20 @@ import pytest
 
 from rl.config import Config
 from rl.metrics import MetricsLogger
+from tests.tracker_files import same_metrics, tensorboard_scalars, wandb_history
 
 
 def _config(tmp_path: Path, **run: object) -> Config:
+    """No trackers unless a test asks for them."""
     return Config.model_validate(
         {
             "model": {"path": "m"},
-            "run": {"output_dir": str(tmp_path), "wandb_mode": "disabled", **run},
+            "run": {
+                "output_dir": str(tmp_path),
+                "wandb_mode": "disabled",
+                "tensorboard": False,
+                **run,
+            },
         }
     )
 
@@ -39,11 +47,46 @@ def test_json_log_format_prints_each_record_and_message_as_one_json_line(
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == json.loads(lines[0])
 
 
-def test_progress_format_prints_no_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    logger = MetricsLogger(_config(tmp_path, progress_bar=False), tmp_path)
-    logger.log(1, {"reward/mean": 0.5})
+def test_progress_format_off_a_terminal_prints_a_status_line_a_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    logger = MetricsLogger(_config(tmp_path, num_steps=4, tensorboard=True), tmp_path)
+    logger.log(0, {"eval/accuracy": 0.25})
+    logger.log(1, {"reward/mean": 0.5, "time/step_s": 1.5, "perf/gen_tokens_per_s": 2048.0})
+    logger.print("checkpoint written to runs/x/[step_000001]")
     logger.close()
-    assert "reward/mean" not in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tensorboard: `tensorboard --logdir ")
+    assert re.fullmatch(
+        r"step 1/4 · ETA \d:\d\d:\d\d · reward 0.5 · acc 25.0% · gen 2,048 tok/s · 1.50 s/step",
+        lines[1],
+    ), lines[1]
+    assert lines[2] == "checkpoint written to runs/x/[step_000001]"  # brackets kept as text
+
+
+def test_wandb_offline_run_and_tensorboard_hold_the_jsonl_metrics(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, wandb_mode="offline", tensorboard=True, log_format="json")
+    logger = MetricsLogger(cfg, tmp_path)
+    logger.log(0, {"eval/accuracy": 0.25})
+    logger.log(1, {"reward/mean": 0.5, "actor/loss": float("nan")})
+    logger.log(2, {"reward/mean": 0.75, "actor/loss": 1.25})
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    same_metrics(records, wandb_history(tmp_path), rel=0)
+    same_metrics(records, tensorboard_scalars(tmp_path / "tensorboard"), rel=1e-6)
+
+
+def test_resumed_tensorboard_log_hides_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, tensorboard=True, log_format="json")
+    first = MetricsLogger(cfg, tmp_path)
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    resumed = MetricsLogger(cfg, tmp_path, resume_step=1)
+    resumed.log(2, {"reward/mean": 20.0})
+    resumed.close()
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert {step: v["reward/mean"] for step, v in scalars.items()} == {1: 1.0, 2: 20.0}
 
 
 _REDIRECTED = """

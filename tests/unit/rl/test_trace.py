@@ -67,6 +67,18 @@ def test_span_context_closes_the_span_when_the_block_raises() -> None:
     assert [s.phase for s in trace.spans] == ["checkpoint"]
 
 
+def test_phase_listener_hears_each_change_of_the_open_phases_in_phase_order() -> None:
+    heard: list[list[str]] = []
+    trace = Trace({"rollout-0": [0], "trainer": [0]}, FakeClock(), on_phases=heard.append)
+    trace.begin("trainer", "train")
+    trace.begin("rollout-0", "generate")
+    trace.begin("rollout-0", "generate")  # a second request in flight: no change
+    trace.end("rollout-0", "generate")
+    trace.end("rollout-0", "generate")
+    trace.end("trainer", "train")
+    assert heard == [["train"], ["generate", "train"], ["train"], []]
+
+
 def test_end_without_begin_is_an_invariant_violation() -> None:
     trace, _ = _trace()
     with pytest.raises(AssertionError, match="without a matching begin"):

@@ -86,6 +86,10 @@ def test_weighted_sum(combined: RewardScorer) -> None:
             "reward/task_mean": 1 / 3,
             "reward/arithmetic_mean": 1 / 3,
             "reward/length_mean": 0.4,
+            # Fractions scored above 0: the verifiers' accuracy, any positive length.
+            "reward/task_accuracy": 1 / 3,
+            "reward/arithmetic_accuracy": 1 / 3,
+            "reward/length_accuracy": 1.0,
             "reward/errors": 0.0,
             "reward/timeouts": 0.0,
         }
@@ -128,6 +132,7 @@ def test_failures_score_zero_and_are_counted(rewards_file: Path) -> None:
         assert metrics["reward/errors"] == 3  # raise, exit, nan
         assert metrics["reward/timeouts"] == 2  # sleep, spin
         assert metrics["reward/flaky_mean"] == pytest.approx(0.5)
+        assert metrics["reward/flaky_accuracy"] == pytest.approx(0.5)  # failures score 0
         # The hung workers were killed, not left running; their replacements serve on.
         workers = _worker_pids() - others
         assert len(workers) == 2 and not first_workers & workers
