@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--log-format",
         choices=("progress", "json"),
-        help="console output (the same as run.log_format=...): a progress bar, or a JSON line a step",
+        help="console output (the same as run.log_format=...): a live progress display (a line a "
+        "step off a terminal), or a JSON line a step",
     )
     train.add_argument(
         "--verbose",

@@ -1,8 +1,8 @@
 """What a run prints while it runs (run.log_format).
 
-`progress`: on a terminal, one live line that rich redraws: the run's bar, step i/N, elapsed
-time and ETA, the phases running now (generate, train, sync...) and the step's key numbers,
-with the driver's messages printed above it. Where stdout is not a terminal (`ray job submit`
+`progress`: on a terminal, two live lines that rich redraws: the run's bar with step i/N,
+elapsed time and ETA, and under it the phases running now (generate, train, sync...) and the
+last step's key numbers; the driver's messages print above them. Where stdout is not a terminal (`ray job submit`
 logs, CI, a pipe) a redrawn line would be noise, so the same status is printed as one plain
 line per step. `json`: each step's record and each message as one JSON object a line.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 # The few numbers worth a glance; everything goes to metrics.jsonl and the trackers.
 _SHOWN = (
@@ -60,6 +61,17 @@ class JsonConsole:
         pass
 
 
+class _TwoLineProgress(Progress):
+    """The bar's line, and under it a status line that is cut rather than wrapped: a narrow
+    terminal keeps the bar whole."""
+
+    status = ""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        yield Text(self.status, no_wrap=True, overflow="ellipsis")
+
+
 class ProgressConsole:
     """Step i/N, ETA, the running phases and key numbers: live on a terminal, else a line a
     step. `console` and `clock` are for tests."""
@@ -77,19 +89,19 @@ class ProgressConsole:
         self._clock, self._start = clock, clock()
         self._shown: dict[str, float | None] = {}
         self._phases: list[str] = []
-        self._progress: Progress | None = None
+        self._progress: _TwoLineProgress | None = None
         if self._console.is_terminal:
-            self._progress = Progress(
+            self._progress = _TwoLineProgress(
                 TextColumn(name, markup=False),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                TextColumn("{task.fields[status]}", markup=False),
+                TextColumn("ETA {task.fields[eta]}"),
                 console=self._console,
                 refresh_per_second=4,
             )
             self._task = self._progress.add_task(
-                name, total=num_steps, completed=first_step, status=self._status()
+                name, total=num_steps, completed=first_step, eta=format_duration(None)
             )
             self._progress.start()
 
@@ -100,10 +112,13 @@ class ProgressConsole:
             self._start = self._clock()
             return
         self._step = step
+        eta = f"ETA {format_duration(self._eta())}"
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=self._status())
+            self._progress.update(self._task, completed=step, eta=eta[4:])
+            self._progress.status = self._status()
         else:
-            self._print(f"step {step}/{self._num_steps} · {self._status()}")
+            parts = (f"step {step}/{self._num_steps}", eta, self._status())
+            self._print(" · ".join(part for part in parts if part))
 
     def message(self, text: str) -> None:
         self._print(text)
@@ -112,24 +127,23 @@ class ProgressConsole:
         """The phases running now (rl.trace reports each change); shown live only."""
         self._phases = phases
         if self._progress is not None:
-            self._progress.update(self._task, status=self._status())
+            self._progress.status = self._status()
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
 
-    def _status(self) -> str:
-        eta = eta_seconds(
+    def _eta(self) -> float | None:
+        return eta_seconds(
             self._step - self._first_step,
             self._clock() - self._start,
             self._num_steps - self._step,
         )
-        parts = [f"ETA {format_duration(eta)}"]
-        if self._progress is not None and self._phases:
-            parts.append(", ".join(self._phases))
-        if shown := summary_text(self._shown):
-            parts.append(shown)
-        return " · ".join(parts)
+
+    def _status(self) -> str:
+        """The running phases (live only) and the last step's key numbers."""
+        phases = ", ".join(self._phases) if self._progress is not None else ""
+        return " · ".join(part for part in (phases, summary_text(self._shown)) if part)
 
     def _print(self, text: str) -> None:
         # markup off: paths and dicts in messages hold brackets rich would take for styles.

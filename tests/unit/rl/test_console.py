@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 
@@ -28,7 +29,7 @@ def test_summary_shows_the_key_numbers_present_and_skips_nulls() -> None:
     assert summary_text(values) == "reward 0.713 · 1.20 s/step"
 
 
-def test_live_display_on_a_terminal_shows_step_eta_phases_and_numbers() -> None:
+def test_live_display_on_a_terminal_shows_step_eta_then_phases_and_numbers_below() -> None:
     out = io.StringIO()
     terminal = Console(file=out, force_terminal=True, width=200, color_system=None)
     clock = Clock()
@@ -41,9 +42,10 @@ def test_live_display_on_a_terminal_shows_step_eta_phases_and_numbers() -> None:
     console.message("checkpoint written to [x]")
     console.close()
     text = out.getvalue()
-    final = text.rsplit("\r", 1)[-1]  # the last redraw of the live line
-    assert "grpo" in final and "1/10" in final
-    assert "ETA 0:00:18 · generate, train · reward 0.25 · acc 30.0% · 2.00 s/step" in final
+    live = re.sub(r"\x1b\[[0-9?;]*[A-Za-z]", "", text.rsplit("\x1b[?25h", 1)[0])  # no escapes
+    bar, status = live.splitlines()[-2:]  # the last redraw
+    assert bar.startswith("grpo ━") and bar.endswith(" 1/10 0:00:00 ETA 0:00:18"), bar
+    assert status == "generate, train · reward 0.25 · acc 30.0% · 2.00 s/step"
     assert "checkpoint written to [x]" in text
     assert "step 1/10" not in text  # live: no line a step
 
