@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint format setup
+.PHONY: demo test lint format setup bench
 
 setup: $(STAMP)
 
@@ -18,6 +18,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec && \
 	touch $(STAMP) && \
 	echo "set-up took $$(( $$(date +%s) - start )) s"
+
+# TRL, for bench/vs_trl.py only: its own venv, so that its pins never touch Tandem's.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-stamp
+
+$(BENCH_STAMP):
+	python3 -m venv $(BENCH_VENV) && \
+	$(BENCH_VENV)/bin/python -m pip install -q "torch==2.13.0" "trl==1.13.0" requests && \
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(PY) bench/vs_trl.py --write-docs
 
 demo: $(STAMP)
 	$(VENV)/bin/rl train recipes/grpo_addition_cpu.yaml

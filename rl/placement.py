@@ -45,6 +45,15 @@ class PlacementPlan:
         per_bundle = Counter(index for bundles in self.roles.values() for index in bundles)
         return max(per_bundle.values())
 
+    def rollout_threads(self, worker: int) -> int:
+        """CPU threads for rollout worker `worker` when it has its devices' node group to
+        itself while it generates (colocated, on-policy: the trainer waits meanwhile): the
+        group's devices shared among the rollout workers in it."""
+        firsts = self.roles["rollout"]
+        group = self.locate(firsts[worker])[0]
+        num_workers = sum(self.locate(first)[0] == group for first in firsts)
+        return max(1, len(self.node_groups[group]) // (num_workers * self.rollout_width))
+
     def devices_of(self, role: str) -> list[int]:
         """The distinct bundles `role`'s actors run on, in order."""
         return sorted(set(self.roles.get(role, [])))

@@ -29,6 +29,13 @@ class RolloutGroup:
             placement.actor_options(index * tp, num_roles_sharing)
             for index in range(cfg.rollout.num_workers)
         ]
+        if cfg.scheduler.time_sliced and not placement.use_gpu and tp == 1:
+            # Ray would give the engine threads for its CPU share alone (one, when it shares
+            # its CPU with a trainer rank), but while it generates the trainer waits: it may
+            # use every CPU of its node group (2 threads: 1.45x the tokens/s of 1, measured).
+            for index, options in enumerate(self._options):
+                threads = placement.plan.rollout_threads(index)
+                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
         self.workers = [self._start(index) for index in range(cfg.rollout.num_workers)]
         # Samples in flight per worker, and the worker of each batch in flight.
         self._num_in_flight = [0] * len(self.workers)

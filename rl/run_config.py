@@ -51,6 +51,11 @@ class SchedulerConfig(Section):
         "are aborted and resumed under the new ones with their prefix kept.",
     )
 
+    @property
+    def time_sliced(self) -> bool:
+        """Roles take turns on the same devices: colocated and on-policy (k = 0)."""
+        return self.placement == "colocate" and self.max_staleness == 0
+
 
 class RunConfig(Section):
     name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")

@@ -36,7 +36,6 @@ class Settings:
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:
         algo, sched = config.algorithm, config.scheduler
         rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
-        time_sliced = sched.placement == "colocate" and sched.max_staleness == 0
         return cls(
             num_steps=config.run.num_steps,
             groups_per_step=config.run.prompts_per_step,
@@ -45,7 +44,7 @@ class Settings:
             partial_rollout=sched.partial_rollout,
             dynamic_sampling=algo.dynamic_sampling,
             max_groups_per_step=rounds * config.run.prompts_per_step,
-            release_memory=time_sliced and use_gpu,
+            release_memory=sched.time_sliced and use_gpu,
             max_rollout_restarts=config.faults.max_rollout_restarts,
         )
 

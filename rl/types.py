@@ -89,6 +89,18 @@ class Batch:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
+    def trim(self, num_tokens: int) -> Batch:
+        """The first `num_tokens` positions of every row (per-token tensors: one fewer), for
+        rows whose real tokens all lie within them."""
+        return Batch(
+            **{
+                f.name: None
+                if (t := getattr(self, f.name)) is None
+                else t[:, : num_tokens - (t.shape[1] != self.input_ids.shape[1])]
+                for f in fields(self)
+            }
+        )
+
     def select(self, index: torch.Tensor | slice) -> Batch:
         """Rows `index` of every tensor (a micro- or mini-batch)."""
         return Batch(

@@ -47,6 +47,45 @@ def _configure_environment() -> int:
     return num_threads
 
 
+def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> dict:
+    """The keyword arguments of the `vllm.LLM` that a VLLMEngine serves (bench/
+    bare_components.py builds the bare engine from them too). Call after
+    `_configure_environment`: importing vLLM before it would fix the wrong settings."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        if cfg.kv_cache_gb <= 0:
+            raise ValueError(f"rollout.kv_cache_gb={cfg.kv_cache_gb} must be positive")
+        memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
+    else:
+        memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if cfg.tensor_parallel_size > 1:
+        # One process per TP rank; the weight receiver reads shared memory in each.
+        memory["distributed_executor_backend"] = "mp"
+        if current_platform.is_cpu():
+            _bind_tp_ranks_to_cpus(cfg.tensor_parallel_size)
+    return dict(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # Behaviour log-probs after temperature (and top-p), as the trainer computes
+        # log_softmax(logits / T); the default "raw_logprobs" ignores temperature.
+        logprobs_mode="processed_logprobs",
+        # On CPU, torch.compile costs far more startup than it saves for small models.
+        enforce_eager=current_platform.is_cpu(),
+        # A partly prefilled seeded request makes vLLM rewind its generator's offset,
+        # which CPU generators do not support ("CPU Generator does not use offset").
+        enable_chunked_prefill=not current_platform.is_cpu(),
+        disable_log_stats=True,
+        worker_extension_cls="rollout.weight_receiver.WeightReceiver",
+        # vLLM's sleep mode frees accelerator memory; on CPU there is nothing to hand over.
+        enable_sleep_mode=not current_platform.is_cpu(),
+        **memory,
+    )
+
+
 class VLLMEngine:
     """One vLLM engine in this process.
 
@@ -58,43 +97,13 @@ class VLLMEngine:
         start = time.perf_counter()
         num_threads = _configure_environment()
         import vllm
-        from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            if cfg.kv_cache_gb <= 0:
-                raise ValueError(f"rollout.kv_cache_gb={cfg.kv_cache_gb} must be positive")
-            memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
-        else:
-            memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-        if cfg.tensor_parallel_size > 1:
-            # One process per TP rank; the weight receiver reads shared memory in each.
-            memory["distributed_executor_backend"] = "mp"
-            if current_platform.is_cpu():
-                _bind_tp_ranks_to_cpus(cfg.tensor_parallel_size)
+        args = engine_args(model_path, cfg, dtype, seed)
         self._cfg = cfg
-        # vLLM's sleep mode frees accelerator memory; on CPU there is nothing to hand over.
-        self._can_sleep = not current_platform.is_cpu()
+        self._can_sleep = args["enable_sleep_mode"]
         self._asleep = False
         self._vllm_sampling_params = vllm.SamplingParams
-        self._llm = vllm.LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=cfg.max_model_len,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            # Behaviour log-probs after temperature (and top-p), as the trainer computes
-            # log_softmax(logits / T); the default "raw_logprobs" ignores temperature.
-            logprobs_mode="processed_logprobs",
-            # On CPU, torch.compile costs far more startup than it saves for small models.
-            enforce_eager=current_platform.is_cpu(),
-            # A partly prefilled seeded request makes vLLM rewind its generator's offset,
-            # which CPU generators do not support ("CPU Generator does not use offset").
-            enable_chunked_prefill=not current_platform.is_cpu(),
-            disable_log_stats=True,
-            worker_extension_cls="rollout.weight_receiver.WeightReceiver",
-            enable_sleep_mode=self._can_sleep,
-            **memory,
-        )
+        self._llm = vllm.LLM(**args)
         self._tokenizer = self._llm.get_tokenizer()
         self._delta = vllm.sampling_params.RequestOutputKind.DELTA
         self._request_ids = itertools.count()

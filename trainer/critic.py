@@ -33,6 +33,7 @@ from trainer.ranks import (
     peak_memory_mb,
     rank_rows,
     reset_peak_memory,
+    scatter_rows,
 )
 
 # Sums over valid tokens, all-reduced over ranks: the metrics and explained variance need them.
@@ -106,7 +107,7 @@ class ValueTrainer:
             cfg.critic.warmup_steps,
         )
 
-    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
+    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
         return micro_batches(
             batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
         )
@@ -117,15 +118,15 @@ class ValueTrainer:
 
         Collective: every rank must call it with the same batch.
         """
-        outputs = []
-        for micro, real in self._micro_batches(batch):
+        pieces = []
+        for micro, rows in self._micro_batches(batch):
             values = self.model(micro.input_ids, micro.attention_mask)  # dummies run too
-            if real:
-                outputs.append((values * micro.loss_mask).cpu())
+            if rows is not None:
+                pieces.append((rows, (values * micro.loss_mask).cpu()))
         # The FSDP root keeps its parameters unsharded after forward (for backward); free them.
         self.model.reshard()
-        steps = batch.input_ids.shape[1] - 1
-        return torch.cat(outputs) if outputs else torch.empty(0, steps)
+        mine = rank_rows(batch.num_sequences, self.rank, self.world_size)
+        return scatter_rows(pieces, mine.stop - mine.start, batch.input_ids.shape[1] - 1)
 
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.

@@ -34,6 +34,7 @@ from trainer.ranks import (
     peak_memory_mb,
     rank_rows,
     reset_peak_memory,
+    scatter_rows,
 )
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
@@ -76,8 +77,8 @@ class PolicyTrainer:
             cfg.trainer.warmup_steps,
         )
 
-    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, bool]]:
-        """(micro-batch on device, is_real) for this rank's rows (`trainer.ranks.micro_batches`)."""
+    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+        """(micro-batch on device, its rows) of this rank's rows (`trainer.ranks.micro_batches`)."""
         return micro_batches(
             batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
         )
@@ -98,15 +99,15 @@ class PolicyTrainer:
             module = self.reference
         else:
             raise ValueError(f"no {model!r} model (a reference exists when algorithm.kl_coef > 0)")
-        outputs = []
-        for micro, real in self._micro_batches(batch):
+        pieces = []
+        for micro, rows in self._micro_batches(batch):
             logprob = self._forward(module, micro)[0]  # dummies run too: collectives
-            if real:
-                outputs.append(logprob.cpu())
+            if rows is not None:
+                pieces.append((rows, logprob.cpu()))
         # The FSDP root keeps its parameters unsharded after forward (for backward); free them.
         module.reshard()
-        steps = batch.input_ids.shape[1] - 1
-        return torch.cat(outputs) if outputs else torch.empty(0, steps)
+        mine = rank_rows(batch.num_sequences, self.rank, self.world_size)
+        return scatter_rows(pieces, mine.stop - mine.start, batch.input_ids.shape[1] - 1)
 
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.

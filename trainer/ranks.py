@@ -108,25 +108,44 @@ def batch_to_device(batch: Batch, device: torch.device) -> Batch:
 
 def micro_batches(
     batch: Batch, rank: int, world_size: int, micro_batch_size: int, device: torch.device
-) -> Iterator[tuple[Batch, bool]]:
-    """(micro-batch on device, is_real) for this rank's rows; the same count on every rank.
+) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+    """(micro-batch on device, its rows) for this rank's rows; the same count on every rank.
+
+    The rank's rows go longest first, so that each micro-batch holds rows of similar length,
+    and each is cut to its own longest row: right padding beyond it is never computed (a
+    batch whose lengths vary 4x spends a third of a padded pass on padding). `rows` are the
+    micro-batch's row positions within the rank's rows, for `scatter_rows`. Losses and
+    gradients are sums over rows, so the order changes nothing but rounding.
 
     The count is set by the rank with the most rows. A rank short of rows gets a dummy
-    micro-batch (the batch's first row with an empty loss mask) so that it still takes part in
-    every FSDP collective.
+    micro-batch (the batch's first row with an empty loss mask; rows None) so that it still
+    takes part in every FSDP collective.
     """
     assert batch.num_sequences > 0, "empty batch"
     mine = rank_rows(batch.num_sequences, rank, world_size)
+    lengths = batch.attention_mask[mine].sum(dim=1)
+    order = torch.sort(lengths, descending=True, stable=True).indices
     most_rows = math.ceil(batch.num_sequences / world_size)
     for i in range(max(1, math.ceil(most_rows / micro_batch_size))):
-        start = mine.start + i * micro_batch_size
-        stop = min(start + micro_batch_size, mine.stop)
-        if start < stop:
-            yield batch_to_device(batch.select(slice(start, stop)), device), True
+        rows = order[i * micro_batch_size : (i + 1) * micro_batch_size]
+        if len(rows):
+            micro = batch.select(rows + mine.start).trim(int(lengths[rows].max()))
+            yield batch_to_device(micro, device), rows
         else:
             row = batch.select(slice(0, 1))
             dummy = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
-            yield batch_to_device(dummy, device), False
+            yield batch_to_device(dummy, device), None
+
+
+def scatter_rows(
+    pieces: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int, num_steps: int
+) -> torch.Tensor:
+    """[num_rows, num_steps] from (rows, [len(rows), <= num_steps]) pieces of micro_batches'
+    output, in the rank's row order; columns a trimmed piece lacks are 0 (padding)."""
+    out = torch.zeros(num_rows, num_steps)
+    for rows, values in pieces:
+        out[rows, : values.shape[1]] = values
+    return out
 
 
 def adamw_with_warmup(

@@ -17,6 +17,21 @@ def test_grpo_plans_rollout_and_trainer_on_a_shared_pool() -> None:
     assert plan.num_roles_sharing == 2
 
 
+def test_a_time_sliced_rollout_worker_gets_threads_for_its_node_groups_devices() -> None:
+    one = plan_placement(_config(trainer={"num_workers": 2}, rollout={"num_workers": 1}))
+    assert one.rollout_threads(0) == 2  # it shares bundle 0 with a trainer rank
+    two = plan_placement(_config(trainer={"num_workers": 4}, rollout={"num_workers": 2}))
+    assert [two.rollout_threads(i) for i in range(2)] == [2, 2]
+    nodes = plan_placement(
+        _config(
+            trainer={"num_workers": 8},
+            rollout={"num_workers": 2},
+            scheduler={"devices_per_node": 4},
+        )
+    )
+    assert [nodes.rollout_threads(i) for i in range(2)] == [2, 2]  # both in the first node
+
+
 def test_tensor_parallel_rollout_workers_start_on_their_first_device() -> None:
     plan = plan_placement(
         _config(trainer={"num_workers": 2}, rollout={"num_workers": 2, "tensor_parallel_size": 2})

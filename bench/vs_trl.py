@@ -1,0 +1,326 @@
+"""Tandem against TRL's GRPOTrainer on the same workloads, one after the other on this
+machine (`make bench`). TRL runs in .venv-bench (bench/trl/trl_grpo.py); both load the same
+model directory and prompt files.
+
+- throughput (bench/recipes/throughput_25m.yaml): a random ~25M-parameter Qwen2, 32 prompts
+  x 8 samples, up to 128 new tokens ending at a sampled EOS; one warm-up step, then the
+  timed ones. Seconds per step, generated tokens/s (over generation time and over the whole
+  step), trained tokens/s (prompt + response tokens over training time), peak memory of the
+  whole process tree (PSS, sampled), mean reward.
+- time to accuracy (bench/recipes/time_to_accuracy.yaml): from the demo's ~1M SFT base, the
+  training seconds (start-up and evaluations excluded) until held-out greedy accuracy on the
+  same 500 prompts first reaches 80%.
+
+    .venv/bin/python bench/vs_trl.py [--only throughput|accuracy] [--write-docs]
+
+Prints the tables, keeps the raw results in .cache/bench/vs_trl.json, and with
+--write-docs replaces the section between the markers in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from rl.data import prepare_splits
+from rl.recipe import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TRL_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+RESULTS = REPO / ".cache" / "bench" / "vs_trl.json"
+MARKERS = ("<!-- vs_trl:begin -->", "<!-- vs_trl:end -->")
+THROUGHPUT, ACCURACY = "bench/recipes/throughput_25m.yaml", "bench/recipes/time_to_accuracy.yaml"
+TARGET_ACCURACY = 0.8
+
+
+class TreeMemory:
+    """The peak, over samples every `period_s`, of the summed proportional set size of a
+    process and its descendants (Tandem's driver starts Ray and its workers as children):
+    shared pages count once, split among the processes sharing them."""
+
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
+        self.peak_mib = 0.0
+        self._root, self._period = psutil.Process(pid), period_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._period):
+            total = 0
+            try:
+                processes = [self._root, *self._root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for process in processes:
+                try:
+                    total += process.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            self.peak_mib = max(self.peak_mib, total / (1 << 20))
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak_mib
+
+
+def run_measured(
+    command: list[str], stop_when=None, log: Path | None = None
+) -> tuple[str, float, float]:
+    """Run `command` from the repo root; returns (stdout, wall seconds, peak tree MiB).
+    `stop_when()` is polled each second: once true, the process gets SIGTERM (Tandem then
+    stops after its current step)."""
+    start = time.perf_counter()
+    stderr = log.open("w") if log else subprocess.DEVNULL
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    memory = TreeMemory(process.pid)
+    out_lines: list[str] = []
+    reader = threading.Thread(target=lambda: out_lines.extend(process.stdout), daemon=True)
+    reader.start()
+    while process.poll() is None:
+        time.sleep(1.0)
+        if stop_when is not None and stop_when():
+            process.send_signal(signal.SIGTERM)
+            stop_when = None
+    reader.join()
+    peak = memory.stop()
+    if process.returncode not in (0, -signal.SIGTERM):
+        raise RuntimeError(f"{command[:4]} exited {process.returncode}; see {log}")
+    return "".join(out_lines), time.perf_counter() - start, peak
+
+
+def tandem_records(recipe: str, overrides: list[str]) -> Path:
+    cfg = load_config(recipe, overrides)
+    return Path(cfg.run.output_dir) / cfg.run.name / "metrics.jsonl"
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def build_base(recipe: str) -> Path:
+    """The recipe's base, built on first use and then reused (the two systems and later
+    runs start from the same weights)."""
+    path = Path(load_config(recipe, []).model.path)
+    if not path.exists():
+        subprocess.run([sys.executable, "-m", "rl.cli", "build-base", recipe], cwd=REPO, check=True)
+    return path
+
+
+def data_file(recipe: str, split: str) -> Path:
+    """The recipe's generated split, the file its Tandem run reads."""
+    return prepare_splits(load_config(recipe, []).data)[split]
+
+
+def run_tandem(recipe: str, overrides: list[str], stop_when_accuracy: float | None = None):
+    metrics = tandem_records(recipe, overrides)
+    stop = None
+    if stop_when_accuracy is not None:
+
+        def stop() -> bool:
+            return any(
+                r["step"] > 0 and (r.get("eval/accuracy") or 0) >= stop_when_accuracy
+                for r in read_records(metrics)
+            )
+
+    command = [sys.executable, "-m", "rl.cli", "train", recipe, *overrides]
+    _, wall, peak = run_measured(command, stop, REPO / ".cache" / "bench" / "tandem.log")
+    return read_records(metrics), wall, peak
+
+
+def run_trl(args: list[str]) -> tuple[dict, float, float]:
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: `make bench` creates the benchmark venv")
+    command = [str(TRL_PYTHON), "bench/trl/trl_grpo.py", *args]
+    out, wall, peak = run_measured(command, log=REPO / ".cache" / "bench" / "trl.log")
+    return json.loads(out.strip().splitlines()[-1]), wall, peak
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def tandem_throughput(records: list[dict], warmup: int) -> dict:
+    steps = [r for r in records if r["step"] > warmup]
+    tokens = [r["rollout/tokens"] for r in steps]
+    train_s = [r["timing/train_step_s"] for r in steps]
+    trained = [r["timing/train_tokens_per_s"] * s for r, s in zip(steps, train_s, strict=True)]
+    return {
+        "timed_steps": len(steps),
+        "seconds_per_step": _mean([r["time/step_s"] for r in steps]),
+        "generated_tokens_per_step": _mean(tokens),
+        "generate_tokens_per_s": sum(tokens) / sum(r["perf/busy_s_generate"] for r in steps),
+        "step_tokens_per_s": sum(tokens) / sum(r["time/step_s"] for r in steps),
+        "train_tokens_per_s": sum(trained) / sum(train_s),
+        "reward": _mean([r["reward/mean"] for r in steps]),
+    }
+
+
+def trl_throughput(result: dict, warmup: int) -> dict:
+    steps = [r for r in result["steps"] if r["step"] > warmup]
+    tokens = [r["generated_tokens"] for r in steps]
+    train_s = [r["seconds"] - r["generate_seconds"] for r in steps]
+    return {
+        "timed_steps": len(steps),
+        "seconds_per_step": _mean([r["seconds"] for r in steps]),
+        "generated_tokens_per_step": _mean(tokens),
+        "generate_tokens_per_s": sum(tokens) / sum(r["generate_seconds"] for r in steps),
+        "step_tokens_per_s": sum(tokens) / sum(r["seconds"] for r in steps),
+        "train_tokens_per_s": sum(r["trained_tokens"] for r in steps) / sum(train_s),
+        "reward": _mean([r["reward"] for r in steps]),
+    }
+
+
+def throughput(num_steps: int, warmup: int) -> dict:
+    cfg = load_config(THROUGHPUT, [])
+    model = build_base(THROUGHPUT)
+    total = num_steps + warmup
+    records, wall, peak = run_tandem(THROUGHPUT, [f"run.num_steps={total}"])
+    tandem = tandem_throughput(records, warmup) | {"wall_s": wall, "peak_mib": peak}
+    trl_args = [
+        *("--model", str(model), "--data", str(data_file(THROUGHPUT, "train"))),
+        *("--steps", str(total), "--prompts-per-step", str(cfg.run.prompts_per_step)),
+        *("--group-size", str(cfg.algorithm.group_size), "--lr", str(cfg.trainer.lr)),
+        *("--max-new-tokens", str(cfg.rollout.max_new_tokens), "--micro-batch-size", "64"),
+    ]
+    result, wall, peak = run_trl(trl_args)
+    trl = trl_throughput(result, warmup) | {"wall_s": wall, "peak_mib": peak}
+    return {"tandem": tandem, "trl": trl, "num_parameters": result["num_parameters"]}
+
+
+def tandem_time_to(records: list[dict], target: float) -> dict:
+    """Training seconds (evaluations excluded) until the first evaluation at `target`."""
+    seconds = 0.0
+    for r in (r for r in records if r["step"] > 0):
+        seconds += r["time/step_s"] - r.get("perf/busy_s_eval", 0.0)
+        if (r.get("eval/accuracy") or 0.0) >= target:
+            return {"step": r["step"], "seconds": seconds, "accuracy": r["eval/accuracy"]}
+    return {"step": None, "seconds": seconds, "accuracy": None}
+
+
+def trl_time_to(result: dict, target: float) -> dict:
+    seconds = 0.0
+    for r in result["steps"]:
+        seconds += r["seconds"]
+        if r.get("accuracy", 0.0) >= target:
+            return {"step": r["step"], "seconds": seconds, "accuracy": r["accuracy"]}
+    return {"step": None, "seconds": seconds, "accuracy": None}
+
+
+def time_to_accuracy(target: float) -> dict:
+    cfg = load_config(ACCURACY, [])
+    model = build_base(ACCURACY)
+    records, _, _ = run_tandem(ACCURACY, [], stop_when_accuracy=target)
+    tandem = tandem_time_to(records, target) | {"before": records[0]["eval/accuracy"]}
+    trl_args = [
+        *("--model", str(model), "--data", str(data_file(ACCURACY, "train"))),
+        *("--eval-data", str(data_file(ACCURACY, "test"))),
+        *("--num-eval-prompts", str(cfg.run.num_eval_prompts)),
+        *("--eval-every", str(cfg.run.eval_every), "--target-accuracy", str(target)),
+        *("--steps", str(cfg.run.num_steps), "--prompts-per-step", str(cfg.run.prompts_per_step)),
+        *("--group-size", str(cfg.algorithm.group_size), "--lr", str(cfg.trainer.lr)),
+        *("--max-new-tokens", str(cfg.rollout.max_new_tokens)),
+        *("--micro-batch-size", str(cfg.run.prompts_per_step * cfg.algorithm.group_size)),
+    ]
+    result, _, _ = run_trl(trl_args)
+    trl = trl_time_to(result, target) | {"before": result["before"]["accuracy"]}
+    return {"tandem": tandem, "trl": trl, "target": target}
+
+
+def throughput_table(r: dict) -> str:
+    rows = [
+        ("seconds per step", "seconds_per_step", "{:.2f}", False),
+        ("generated tokens per step", "generated_tokens_per_step", "{:,.0f}", None),
+        ("generated tokens/s (generation time)", "generate_tokens_per_s", "{:,.0f}", True),
+        ("generated tokens/s (whole step)", "step_tokens_per_s", "{:,.0f}", True),
+        ("trained tokens/s (training time)", "train_tokens_per_s", "{:,.0f}", True),
+        ("peak memory, process tree PSS (MiB)", "peak_mib", "{:,.0f}", False),
+        ("mean reward (timed steps)", "reward", "{:.3f}", None),
+        ("wall time incl. start-up (s)", "wall_s", "{:.0f}", False),
+    ]
+    lines = ["| metric | Tandem | TRL | Tandem / TRL |", "|---|---|---|---|"]
+    for label, key, fmt, higher_is_better in rows:
+        tandem, trl = r["tandem"][key], r["trl"][key]
+        ratio = f"{tandem / trl:.2f}x" if higher_is_better is not None and trl else "-"
+        lines.append(f"| {label} | {fmt.format(tandem)} | {fmt.format(trl)} | {ratio} |")
+    steps_per_hour = r["trl"]["seconds_per_step"] / r["tandem"]["seconds_per_step"]
+    lines.append(f"| **steps per hour, Tandem / TRL** | | | **{steps_per_hour:.2f}x** |")
+    return "\n".join(lines)
+
+
+def accuracy_table(r: dict) -> str:
+    def cell(side: dict) -> str:
+        if side["step"] is None:
+            return f"not reached in {side['seconds']:.0f} s"
+        return f"{side['seconds']:.0f} s (step {side['step']}, {side['accuracy']:.1%})"
+
+    tandem, trl = r["tandem"], r["trl"]
+    ratio = tandem["seconds"] / trl["seconds"] if tandem["step"] and trl["step"] else None
+    return "\n".join(
+        [
+            "| | Tandem | TRL | Tandem / TRL |",
+            "|---|---|---|---|",
+            f"| held-out greedy accuracy before | {tandem['before']:.1%} | {trl['before']:.1%} | |",
+            f"| training time to {r['target']:.0%} | {cell(tandem)} | {cell(trl)} | "
+            + (f"**{ratio:.2f}x** |" if ratio else "- |"),
+        ]
+    )
+
+
+def write_docs(text: str) -> None:
+    path = REPO / "docs" / "benchmarks.md"
+    doc = path.read_text()
+    begin, end = MARKERS
+    if begin not in doc:
+        raise SystemExit(f"{path} has no {begin} ... {end} section to replace")
+    head, rest = doc.split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("throughput", "accuracy"))
+    parser.add_argument("--steps", type=int, default=5, help="timed throughput steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.only in (None, "throughput"):
+        results["throughput"] = throughput(args.steps, args.warmup)
+    if args.only in (None, "accuracy"):
+        results["accuracy"] = time_to_accuracy(TARGET_ACCURACY)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    sections = []
+    if "throughput" in results:
+        n = results["throughput"]["num_parameters"]
+        sections.append(
+            f"Throughput: `{THROUGHPUT}` ({n / 1e6:.1f}M parameters), {args.warmup} warm-up "
+            f"step, then {args.steps} timed.\n\n{throughput_table(results['throughput'])}"
+        )
+    if "accuracy" in results:
+        sections.append(f"Time to accuracy: `{ACCURACY}`.\n\n{accuracy_table(results['accuracy'])}")
+    text = (
+        f"Command: `make bench` (`.venv/bin/python bench/vs_trl.py --write-docs`), "
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores.\n\n" + "\n\n".join(sections)
+    )
+    print(text)
+    if args.write_docs:
+        write_docs(text)
+
+
+if __name__ == "__main__":
+    main()
