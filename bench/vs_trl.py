@@ -153,33 +153,43 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def tandem_throughput(records: list[dict], warmup: int) -> dict:
-    steps = [r for r in records if r["step"] > warmup]
-    tokens = [r["rollout/tokens"] for r in steps]
-    train_s = [r["timing/train_step_s"] for r in steps]
-    trained = [r["timing/train_tokens_per_s"] * s for r, s in zip(steps, train_s, strict=True)]
-    return {
-        "timed_steps": len(steps),
-        "seconds_per_step": _mean([r["time/step_s"] for r in steps]),
-        "generated_tokens_per_step": _mean(tokens),
-        "generate_tokens_per_s": sum(tokens) / sum(r["perf/busy_s_generate"] for r in steps),
-        "step_tokens_per_s": sum(tokens) / sum(r["time/step_s"] for r in steps),
-        "train_tokens_per_s": sum(trained) / sum(train_s),
-        "reward": _mean([r["reward/mean"] for r in steps]),
-    }
+def tandem_steps(records: list[dict]) -> list[dict]:
+    """Tandem's metrics.jsonl records as the steps both systems are summarised from; a
+    step's seconds leave out the evaluation it ran, as TRL's do."""
+    return [
+        {
+            "step": r["step"],
+            "seconds": r["time/step_s"] - r.get("perf/busy_s_eval", 0.0),
+            "generate_seconds": r["perf/busy_s_generate"],
+            "generated_tokens": r["rollout/tokens"],
+            "train_seconds": r["timing/train_step_s"],
+            "trained_tokens": r["timing/train_tokens_per_s"] * r["timing/train_step_s"],
+            "reward": r["reward/mean"],
+            **({"accuracy": r["eval/accuracy"]} if "eval/accuracy" in r else {}),
+        }
+        for r in records
+        if r["step"] > 0
+    ]
 
 
-def trl_throughput(result: dict, warmup: int) -> dict:
-    steps = [r for r in result["steps"] if r["step"] > warmup]
-    tokens = [r["generated_tokens"] for r in steps]
-    train_s = [r["seconds"] - r["generate_seconds"] for r in steps]
+def trl_steps(result: dict) -> list[dict]:
+    """bench/trl/trl_grpo.py's steps; what is not generation counts as training."""
+    return [r | {"train_seconds": r["seconds"] - r["generate_seconds"]} for r in result["steps"]]
+
+
+def throughput_summary(all_steps: list[dict], warmup: int) -> dict:
+    steps = [r for r in all_steps if r["step"] > warmup]
+
+    def total(key: str) -> float:
+        return sum(r[key] for r in steps)
+
     return {
         "timed_steps": len(steps),
         "seconds_per_step": _mean([r["seconds"] for r in steps]),
-        "generated_tokens_per_step": _mean(tokens),
-        "generate_tokens_per_s": sum(tokens) / sum(r["generate_seconds"] for r in steps),
-        "step_tokens_per_s": sum(tokens) / sum(r["seconds"] for r in steps),
-        "train_tokens_per_s": sum(r["trained_tokens"] for r in steps) / sum(train_s),
+        "generated_tokens_per_step": _mean([r["generated_tokens"] for r in steps]),
+        "generate_tokens_per_s": total("generated_tokens") / total("generate_seconds"),
+        "step_tokens_per_s": total("generated_tokens") / total("seconds"),
+        "train_tokens_per_s": total("trained_tokens") / total("train_seconds"),
         "reward": _mean([r["reward"] for r in steps]),
     }
 
@@ -189,7 +199,7 @@ def throughput(num_steps: int, warmup: int) -> dict:
     model = build_base(THROUGHPUT)
     total = num_steps + warmup
     records, wall, peak = run_tandem(THROUGHPUT, [f"run.num_steps={total}"])
-    tandem = tandem_throughput(records, warmup) | {"wall_s": wall, "peak_mib": peak}
+    tandem = throughput_summary(tandem_steps(records), warmup) | {"wall_s": wall, "peak_mib": peak}
     trl_args = [
         *("--model", str(model), "--data", str(data_file(THROUGHPUT, "train"))),
         *("--steps", str(total), "--prompts-per-step", str(cfg.run.prompts_per_step)),
@@ -197,23 +207,14 @@ def throughput(num_steps: int, warmup: int) -> dict:
         *("--max-new-tokens", str(cfg.rollout.max_new_tokens), "--micro-batch-size", "64"),
     ]
     result, wall, peak = run_trl(trl_args)
-    trl = trl_throughput(result, warmup) | {"wall_s": wall, "peak_mib": peak}
+    trl = throughput_summary(trl_steps(result), warmup) | {"wall_s": wall, "peak_mib": peak}
     return {"tandem": tandem, "trl": trl, "num_parameters": result["num_parameters"]}
 
 
-def tandem_time_to(records: list[dict], target: float) -> dict:
+def time_to(steps: list[dict], target: float) -> dict:
     """Training seconds (evaluations excluded) until the first evaluation at `target`."""
     seconds = 0.0
-    for r in (r for r in records if r["step"] > 0):
-        seconds += r["time/step_s"] - r.get("perf/busy_s_eval", 0.0)
-        if (r.get("eval/accuracy") or 0.0) >= target:
-            return {"step": r["step"], "seconds": seconds, "accuracy": r["eval/accuracy"]}
-    return {"step": None, "seconds": seconds, "accuracy": None}
-
-
-def trl_time_to(result: dict, target: float) -> dict:
-    seconds = 0.0
-    for r in result["steps"]:
+    for r in steps:
         seconds += r["seconds"]
         if r.get("accuracy", 0.0) >= target:
             return {"step": r["step"], "seconds": seconds, "accuracy": r["accuracy"]}
@@ -224,7 +225,7 @@ def time_to_accuracy(target: float) -> dict:
     cfg = load_config(ACCURACY, [])
     model = build_base(ACCURACY)
     records, _, _ = run_tandem(ACCURACY, [], stop_when_accuracy=target)
-    tandem = tandem_time_to(records, target) | {"before": records[0]["eval/accuracy"]}
+    tandem = time_to(tandem_steps(records), target) | {"before": records[0]["eval/accuracy"]}
     trl_args = [
         *("--model", str(model), "--data", str(data_file(ACCURACY, "train"))),
         *("--eval-data", str(data_file(ACCURACY, "test"))),
@@ -236,7 +237,7 @@ def time_to_accuracy(target: float) -> dict:
         *("--micro-batch-size", str(cfg.run.prompts_per_step * cfg.algorithm.group_size)),
     ]
     result, _, _ = run_trl(trl_args)
-    trl = trl_time_to(result, target) | {"before": result["before"]["accuracy"]}
+    trl = time_to(trl_steps(result), target) | {"before": result["before"]["accuracy"]}
     return {"tandem": tandem, "trl": trl, "target": target}
 
 

@@ -112,12 +112,12 @@ class ProgressConsole:
             self._start = self._clock()
             return
         self._step = step
-        eta = f"ETA {format_duration(self._eta())}"
+        eta = format_duration(self._eta())
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, eta=eta[4:])
+            self._progress.update(self._task, completed=step, eta=eta)
             self._progress.status = self._status()
         else:
-            parts = (f"step {step}/{self._num_steps}", eta, self._status())
+            parts = (f"step {step}/{self._num_steps}", f"ETA {eta}", self._status())
             self._print(" · ".join(part for part in parts if part))
 
     def message(self, text: str) -> None:

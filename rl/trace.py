@@ -96,10 +96,12 @@ class Trace:
             self._phases_changed()
 
     def _phases_changed(self) -> None:
+        if self._on_phases is None:
+            return
         phases = [phase for phase in PHASES if any(p == phase for _, p in self._open)]
-        if self._on_phases is not None and phases != self._open_phases:
+        if phases != self._open_phases:
             self._on_phases(phases)
-        self._open_phases = phases
+            self._open_phases = phases
 
     @contextmanager
     def span(self, lane: str, phase: str, step: int | None = None) -> Iterator[None]:
