@@ -28,6 +28,7 @@ to .cache/bench/bare_components.json. Overrides (key=value) patch the recipe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -125,12 +126,18 @@ def bare_engine(cfg: Config, prompts: list[list[int]], params: SamplingParams):
 class WholeMachine:
     """The rl.cluster.Placement the groups below are built on: every actor gets all
     `num_cpus` CPUs. (A real colocated run gives each actor a share of a 1-CPU bundle, so Ray
-    would give it one OpenMP thread where the bare side gets `num_cpus`.)"""
+    would give it one OpenMP thread where the bare side gets `num_cpus`.) Its plan is one
+    node group of `num_cpus` bundles: RolloutGroup sizes a time-sliced engine's threads from
+    it, and the recipe's own pool (as many bundles as trainer ranks) would give one thread at
+    W = 1, where the bare engine gets `num_cpus` (the 60% "overhead" of an earlier run)."""
 
     use_gpu = False
 
     def __init__(self, cfg: Config, num_cpus: int) -> None:
-        self.plan, self._num_cpus = plan_placement(cfg), num_cpus
+        plan = plan_placement(cfg)
+        bundles = list(range(max(num_cpus, plan.num_devices)))
+        self.plan = dataclasses.replace(plan, num_devices=len(bundles), node_groups=[bundles])
+        self._num_cpus = num_cpus
 
     def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
         return {"num_cpus": self._num_cpus}
@@ -201,9 +208,10 @@ def training_batch(cfg: Config, prompts: list[list[int]], pad_id: int, vocab: in
 
 
 def bare_trainer(cfg: Config, batch: Batch, threads: int):
-    """A plain single-process step: HF forward to full logits, log-probs at the rollout
-    temperature, PPO clip against the detached current log-probs, token mean over the whole
-    batch, micro-batches of trainer.micro_batch_size, grad clip, one AdamW step."""
+    """A plain single-process step: HF forward to full logits (under bf16 autocast when
+    model.dtype is bfloat16), fp32 log-probs at the rollout temperature, PPO clip against the
+    detached current log-probs, token mean over the whole batch, micro-batches of
+    trainer.micro_batch_size, grad clip, one AdamW step."""
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
     t, algo = cfg.trainer, cfg.algorithm
@@ -211,11 +219,16 @@ def bare_trainer(cfg: Config, batch: Batch, threads: int):
         model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
     )
     num_tokens = batch.loss_mask.sum()
+    # model.dtype=bfloat16 is bf16 compute over fp32 weights, as Tandem's FSDP2 policy.
+    bf16 = cfg.model.dtype == "bfloat16"
+    compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def step() -> int:
         for start in range(0, batch.num_sequences, t.micro_batch_size):
             micro = batch.select(slice(start, start + t.micro_batch_size))
-            logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            with compute:
+                logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+            logits = logits.logits
             logp = torch.log_softmax(logits[:, :-1].float() / cfg.rollout.temperature, dim=-1)
             logp = logp.gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)
             ratio = torch.exp(logp - logp.detach())

@@ -194,18 +194,24 @@ def throughput_summary(all_steps: list[dict], warmup: int) -> dict:
     }
 
 
+def trl_workload(recipe: str, model: Path, num_steps: int) -> list[str]:
+    """bench/trl/trl_grpo.py's arguments for `recipe`'s workload, as its Tandem run has it:
+    prompts, batch shape, learning rate, response length and compute dtype."""
+    cfg = load_config(recipe, [])
+    return [
+        *("--model", str(model), "--data", str(data_file(recipe, "train"))),
+        *("--steps", str(num_steps), "--prompts-per-step", str(cfg.run.prompts_per_step)),
+        *("--group-size", str(cfg.algorithm.group_size), "--lr", str(cfg.trainer.lr)),
+        *("--max-new-tokens", str(cfg.rollout.max_new_tokens), "--dtype", cfg.model.dtype),
+    ]
+
+
 def throughput(num_steps: int, warmup: int) -> dict:
-    cfg = load_config(THROUGHPUT, [])
     model = build_base(THROUGHPUT)
     total = num_steps + warmup
     records, wall, peak = run_tandem(THROUGHPUT, [f"run.num_steps={total}"])
     tandem = throughput_summary(tandem_steps(records), warmup) | {"wall_s": wall, "peak_mib": peak}
-    trl_args = [
-        *("--model", str(model), "--data", str(data_file(THROUGHPUT, "train"))),
-        *("--steps", str(total), "--prompts-per-step", str(cfg.run.prompts_per_step)),
-        *("--group-size", str(cfg.algorithm.group_size), "--lr", str(cfg.trainer.lr)),
-        *("--max-new-tokens", str(cfg.rollout.max_new_tokens), "--micro-batch-size", "64"),
-    ]
+    trl_args = [*trl_workload(THROUGHPUT, model, total), "--micro-batch-size", "64"]
     result, wall, peak = run_trl(trl_args)
     trl = throughput_summary(trl_steps(result), warmup) | {"wall_s": wall, "peak_mib": peak}
     return {"tandem": tandem, "trl": trl, "num_parameters": result["num_parameters"]}
@@ -227,13 +233,10 @@ def time_to_accuracy(target: float) -> dict:
     records, _, _ = run_tandem(ACCURACY, [], stop_when_accuracy=target)
     tandem = time_to(tandem_steps(records), target) | {"before": records[0]["eval/accuracy"]}
     trl_args = [
-        *("--model", str(model), "--data", str(data_file(ACCURACY, "train"))),
+        *trl_workload(ACCURACY, model, cfg.run.num_steps),
         *("--eval-data", str(data_file(ACCURACY, "test"))),
         *("--num-eval-prompts", str(cfg.run.num_eval_prompts)),
         *("--eval-every", str(cfg.run.eval_every), "--target-accuracy", str(target)),
-        *("--steps", str(cfg.run.num_steps), "--prompts-per-step", str(cfg.run.prompts_per_step)),
-        *("--group-size", str(cfg.algorithm.group_size), "--lr", str(cfg.trainer.lr)),
-        *("--max-new-tokens", str(cfg.rollout.max_new_tokens)),
         *("--micro-batch-size", str(cfg.run.prompts_per_step * cfg.algorithm.group_size)),
     ]
     result, _, _ = run_trl(trl_args)

@@ -8,7 +8,7 @@ generated tokens and mean reward, and held-out greedy accuracy every --eval-ever
 
 Settings follow Tandem's GRPO recipe: clipped ratio at 0.2, token-mean loss over the whole
 generation batch (TRL's "dapo"), group-normalised advantages, no KL and no reference model,
-fp32, one optimizer step per generation round, constant learning rate.
+the recipe's compute dtype (--dtype), one optimizer step per generation round, constant learning rate.
 
     .venv-bench/bin/python bench/trl/trl_grpo.py --model DIR --data train.jsonl [...]
 """
@@ -140,6 +140,12 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype: bfloat16 is TRL's bf16 mixed precision (fp32 master weights)",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -173,7 +179,8 @@ def main() -> int:
     config = GRPOConfig(
         output_dir="/tmp/trl-bench-out",
         use_cpu=True,
-        bf16=False,  # TRL's default is bf16; Tandem trains in fp32 on CPU
+        # bf16 autocast over fp32 weights, as Tandem's model.dtype=bfloat16 (TRL's default).
+        bf16=args.dtype == "bfloat16",
         gradient_checkpointing=False,  # TRL's default is on
         model_init_kwargs={"dtype": torch.float32},
         max_steps=args.steps,
