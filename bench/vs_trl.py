@@ -220,13 +220,16 @@ def throughput(num_steps: int, warmup: int) -> dict:
 
 
 def time_to(steps: list[dict], target: float) -> dict:
-    """Training seconds (evaluations excluded) until the first evaluation at `target`."""
-    seconds = 0.0
+    """Training seconds (evaluations excluded) until the first evaluation at `target`, and
+    the best evaluation up to then (all of them when none reached it)."""
+    seconds, best = 0.0, {"best_accuracy": 0.0, "best_step": None}
     for r in steps:
         seconds += r["seconds"]
+        if r.get("accuracy", 0.0) > best["best_accuracy"]:
+            best = {"best_accuracy": r["accuracy"], "best_step": r["step"]}
         if r.get("accuracy", 0.0) >= target:
-            return {"step": r["step"], "seconds": seconds, "accuracy": r["accuracy"]}
-    return {"step": None, "seconds": seconds, "accuracy": None}
+            return {"step": r["step"], "seconds": seconds, "accuracy": r["accuracy"]} | best
+    return {"step": None, "seconds": seconds, "accuracy": None} | best | {"num_steps": len(steps)}
 
 
 def time_to_accuracy(target: float) -> dict:
@@ -270,7 +273,10 @@ def throughput_table(r: dict) -> str:
 def accuracy_table(r: dict) -> str:
     def cell(side: dict) -> str:
         if side["step"] is None:
-            return f"not reached in {side['seconds']:.0f} s"
+            return (
+                f"not reached in {side['num_steps']} steps, {side['seconds']:.0f} s (best "
+                f"{side['best_accuracy']:.1%}, step {side['best_step']})"
+            )
         return f"{side['seconds']:.0f} s (step {side['step']}, {side['accuracy']:.1%})"
 
     tandem, trl = r["tandem"], r["trl"]
