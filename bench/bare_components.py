@@ -227,9 +227,9 @@ def bare_trainer(cfg: Config, batch: Batch, threads: int):
         for start in range(0, batch.num_sequences, t.micro_batch_size):
             micro = batch.select(slice(start, start + t.micro_batch_size))
             with compute:
-                logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
-            logits = logits.logits
-            logp = torch.log_softmax(logits[:, :-1].float() / cfg.rollout.temperature, dim=-1)
+                output = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+            logits = output.logits[:, :-1].float()
+            logp = torch.log_softmax(logits / cfg.rollout.temperature, dim=-1)
             logp = logp.gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)
             ratio = torch.exp(logp - logp.detach())
             clipped = ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)

@@ -8,7 +8,8 @@ generated tokens and mean reward, and held-out greedy accuracy every --eval-ever
 
 Settings follow Tandem's GRPO recipe: clipped ratio at 0.2, token-mean loss over the whole
 generation batch (TRL's "dapo"), group-normalised advantages, no KL and no reference model,
-the recipe's compute dtype (--dtype), one optimizer step per generation round, constant learning rate.
+the recipe's compute dtype (--dtype), one optimizer step per generation round, constant
+learning rate.
 
     .venv-bench/bin/python bench/trl/trl_grpo.py --model DIR --data train.jsonl [...]
 """

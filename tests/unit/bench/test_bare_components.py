@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 from rl.recipe import load_config
-from tests.conftest import REPO
+from tests.unit.bench.bench_modules import load_bench_module
 
-_spec = importlib.util.spec_from_file_location(
-    "bare_components", REPO / "bench" / "bare_components.py"
-)
-bare_components = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bare_components)
+bare_components = load_bench_module("bare_components")
 
 
 def test_whole_machine_gives_the_rollout_engine_every_cpu_at_one_trainer_rank():

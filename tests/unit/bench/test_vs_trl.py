@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.conftest import REPO
+from tests.unit.bench.bench_modules import load_bench_module
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-vs_trl = _load("vs_trl")
+vs_trl = load_bench_module("vs_trl")
 
 
 def _record(step: int, eval_s: float | None = None, accuracy: float | None = None) -> dict:

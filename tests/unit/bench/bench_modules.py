@@ -1,0 +1,16 @@
+"""The bench/ scripts, imported by path: bench/ is a folder of scripts, not a package."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+from tests.conftest import REPO
+
+
+def load_bench_module(name: str) -> ModuleType:
+    """bench/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
