@@ -158,7 +158,35 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, description="Global gradient-norm clip.")
-    micro_batch_size: int = Field(32, description="Sequences per forward/backward on one rank.")
+    micro_batch_size: int = Field(
+        32,
+        description="Sequences per forward/backward on one rank (when micro_batch_tokens is 0).",
+    )
+    micro_batch_tokens: int = Field(
+        0,
+        description="Token positions per forward/backward on one rank (padding included, so "
+        "rows x longest unless packing); rows are dealt to the ranks balanced by length "
+        "(Karmarkar-Karp). 0 = micro_batch_size sequences, contiguous rows per rank.",
+    )
+    packing: bool = Field(
+        False,
+        description="Pack each micro-batch's samples end to end into rows as wide as its longest "
+        "one (attention kept within each sample, positions restarted) instead of padding them.",
+    )
+    sharding: Literal["zero3", "zero2", "hybrid", "none"] = Field(
+        "zero3",
+        description="FSDP2 strategy: zero3 gathers each layer's parameters for forward and "
+        "again for backward; zero2 keeps them gathered in between; hybrid shards within groups "
+        "of shard_group_size ranks and replicates across them; none replicates (DDP-like).",
+    )
+    shard_group_size: int = Field(
+        0, description="sharding=hybrid: ranks per shard group (a node's ranks); divides the ranks."
+    )
+    offload: bool = Field(
+        False,
+        description="Keep sharded parameters, gradients and optimizer state in CPU memory "
+        "(FSDP2 CPU offload) on GPU runs; on CPU they are there already.",
+    )
     num_mini_batches: int = Field(1, description="Optimizer steps per rollout batch per epoch.")
     num_epochs: int = Field(1, description="Passes over each rollout batch.")
     logprob_impl: Literal["fused", "naive"] = Field(

@@ -31,8 +31,8 @@ class CriticGroup:
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B, T-1] (fp32, CPU) of `batch`, 0 outside its loss_mask."""
         batch_ref = ray.put(batch)
-        parts = ray.get([w.compute_values.remote(batch_ref) for w in self.workers])
-        return torch.cat(parts, dim=0)
+        # Every rank returns the whole batch's (they all-reduce their rows); take one.
+        return ray.get([w.compute_values.remote(batch_ref) for w in self.workers])[0]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Fit the values to batch.returns; critic/* metrics, already reduced over ranks."""

@@ -133,17 +133,24 @@ def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> 
     """A policy (or critic) rank's peak during a training step."""
     trainer = cfg.trainer
     num_ranks = cfg.trainer.num_workers if role == "trainer rank" else cfg.critic_world_size()
+    # The ranks one copy of the state is sharded over (the rest replicate it).
+    num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(trainer.sharding, num_ranks)
     compute = _DTYPE_BYTES[cfg.model.dtype]
     n = shape.num_params
+    # zero3 gathers a layer at a time (and prefetches the next); the others keep every layer
+    # gathered from its forward until its backward.
+    num_gathered = shape.num_root_params + 2 * shape.num_layer_params
+    if trainer.sharding in ("zero2", "none"):
+        num_gathered = n
     parts = {
-        "params": 4 * n / num_ranks,
-        "grads": 4 * n / num_ranks,
-        "optimizer": 8 * n / num_ranks,
-        "gathered": compute * (shape.num_root_params + 2 * shape.num_layer_params),
+        "params": 4 * n / num_shards,
+        "grads": 4 * n / num_shards,
+        "optimizer": 8 * n / num_shards,
+        "gathered": compute * num_gathered,
     }
     if role == "trainer rank" and cfg.algorithm.kl_coef > 0:
-        parts["reference"] = 4 * n / num_ranks
-    num_tokens = trainer.micro_batch_size * cfg.rollout.max_model_len
+        parts["reference"] = 4 * n / num_shards
+    num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
     elements = shape.activation_elements_per_token(trainer.activation_checkpointing)
     parts["activations"] = compute * num_tokens * elements
     if role == "trainer rank":

@@ -163,6 +163,7 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
         )
     _check_registered_names(cfg, path)
     _check_algorithm(cfg, path)
+    _check_trainer(cfg, path)
     _check_scheduler(cfg, path)
     for key, value in {
         "trainer.num_workers": cfg.trainer.num_workers,
@@ -172,6 +173,32 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     }.items():
         if value < 1:
             raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
+
+
+def _check_trainer(cfg: Config, path: Path | str) -> None:
+    trainer = cfg.trainer
+    if trainer.micro_batch_tokens < 0:
+        raise ConfigError(
+            f"{path}: trainer.micro_batch_tokens must be >= 0 (0 = trainer.micro_batch_size "
+            f"sequences), got {trainer.micro_batch_tokens}"
+        )
+    if trainer.sharding != "hybrid":
+        if trainer.shard_group_size:
+            raise ConfigError(
+                f"{path}: trainer.shard_group_size sizes hybrid sharding; with "
+                f"trainer.sharding={trainer.sharding} drop it (or set trainer.sharding=hybrid)"
+            )
+        return
+    ranks = {"trainer.num_workers": trainer.num_workers}
+    if cfg.algorithm.advantage == "gae":
+        ranks["critic ranks"] = cfg.critic_world_size()
+    size = trainer.shard_group_size
+    for key, num_ranks in ranks.items():
+        if size < 1 or num_ranks % size:
+            raise ConfigError(
+                f"{path}: trainer.sharding=hybrid needs trainer.shard_group_size, the ranks per "
+                f"shard group, >= 1 and dividing {key}={num_ranks}; got {size}"
+            )
 
 
 def _check_scheduler(cfg: Config, path: Path | str) -> None:

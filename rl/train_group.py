@@ -25,8 +25,8 @@ class TrainGroup:
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
         """Log-probs [B, T-1] of `batch` under the policy or the frozen reference."""
         batch_ref = ray.put(batch)
-        parts = ray.get([w.compute_logprobs.remote(batch_ref, model) for w in self.workers])
-        return torch.cat(parts, dim=0)
+        # Every rank returns the whole batch's (they all-reduce their rows); take one.
+        return ray.get([w.compute_logprobs.remote(batch_ref, model) for w in self.workers])[0]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One rollout batch of updates; metrics are already reduced over ranks."""

@@ -1,8 +1,8 @@
 """The PPO critic of one FSDP2 rank: a value model with its own process group and optimizer.
 
-Batching follows the policy trainer (`trainer.ranks`): same full batch on every rank, each rank
-its `rank_rows`, equal micro-batch counts with dummy rows, trainer.micro_batch_size /
-num_mini_batches / num_epochs / num_threads / betas / weight_decay shared with the policy.
+Batching and sharding follow the policy trainer (`trainer.ranks`): same full batch on every
+rank, each rank its share of rows, equal micro-batch counts with dummy rows; the trainer.*
+batching, packing, sharding, threads, betas and weight decay are shared with the policy.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
 from rl.algorithms import value_loss
-from rl.config import Config
+from rl.config import Config, TrainerConfig
 from rl.types import Batch
 from trainer.checkpoint import load_training_state, save_training_state
-from trainer.fsdp import decoder_layers, shard_with_fsdp
+from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
+from trainer.packing import ModelInput
 from trainer.ranks import (
     adamw_with_warmup,
     check_batching,
+    gather_rows,
     init_rank,
     micro_batches,
     mini_batch_slices,
     optimizer_step,
     peak_memory_mb,
-    rank_rows,
     reset_peak_memory,
-    scatter_rows,
 )
 
 # Sums over valid tokens, all-reduced over ranks: the metrics and explained variance need them.
@@ -54,21 +54,22 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask [B, T] -> values [B, T-1] fp32.
+    def forward(self, inputs: ModelInput) -> torch.Tensor:
+        """values [B, T-1] fp32 of the micro-batch `inputs` was built from.
 
         Aligned with `Batch`'s targets: values[:, t] is the value of the state after
         input_ids[:, :t+1], before emitting target input_ids[:, t+1].
         """
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
         ).last_hidden_state
-        return self.head(hidden[:, :-1]).squeeze(-1).float()
+        return inputs.unpack(self.head(hidden[:, :-1]).squeeze(-1).float())
 
 
-def load_value_model(
-    path: str, dtype: str, mesh: DeviceMesh, activation_checkpointing: bool
-) -> ValueModel:
+def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig) -> ValueModel:
     """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
     like the policy (`trainer.fsdp.shard_with_fsdp`); `dtype` is the compute dtype."""
     causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -77,7 +78,7 @@ def load_value_model(
     model = ValueModel(causal_lm.get_decoder(), causal_lm.config.hidden_size)
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
-    shard_with_fsdp(model, layers, mesh, dtype, activation_checkpointing)
+    shard_with_fsdp(model, layers, mesh, dtype, cfg, cfg.activation_checkpointing)
     return model
 
 
@@ -90,14 +91,9 @@ class ValueTrainer:
         check_batching(cfg.trainer)
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        self.device, mesh = init_rank(
-            rank, world_size, master_addr, master_port, cfg.trainer.num_threads
-        )
+        self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
         self.model = load_value_model(
-            cfg.critic.path or cfg.model.path,
-            cfg.model.dtype,
-            mesh,
-            cfg.trainer.activation_checkpointing,
+            cfg.critic.path or cfg.model.path, cfg.model.dtype, mesh, cfg.trainer
         )
         self.optimizer, self.scheduler = adamw_with_warmup(
             self.model.parameters(),
@@ -107,26 +103,24 @@ class ValueTrainer:
             cfg.critic.warmup_steps,
         )
 
-    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
-        return micro_batches(
-            batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
-        )
+    def _micro_batches(
+        self, batch: Batch
+    ) -> Iterator[tuple[Batch, ModelInput, torch.Tensor | None]]:
+        return micro_batches(batch, self.rank, self.world_size, self.cfg.trainer, self.device)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        """Values [B_rank, T-1] (fp32, CPU, 0 outside loss_mask) of this rank's `rank_rows`.
+        """Values [B, T-1] (fp32, CPU, 0 outside loss_mask) of `batch`; the same on every rank.
 
-        Collective: every rank must call it with the same batch.
+        Collective: every rank must call it with the same batch; each computes its own rows.
         """
         pieces = []
-        for micro, rows in self._micro_batches(batch):
-            values = self.model(micro.input_ids, micro.attention_mask)  # dummies run too
+        for micro, inputs, rows in self._micro_batches(batch):
+            values = self.model(inputs)  # dummies run too
             if rows is not None:
-                pieces.append((rows, (values * micro.loss_mask).cpu()))
-        # The FSDP root keeps its parameters unsharded after forward (for backward); free them.
-        self.model.reshard()
-        mine = rank_rows(batch.num_sequences, self.rank, self.world_size)
-        return scatter_rows(pieces, mine.stop - mine.start, batch.input_ids.shape[1] - 1)
+                pieces.append((rows, values * micro.loss_mask))
+        reshard(self.model)  # no backward follows to free the gathered parameters
+        return gather_rows(pieces, batch, self.device)
 
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
@@ -140,15 +134,14 @@ class ValueTrainer:
         Returns the global `loss` and the token sums named in `_SUMS`.
         """
         clip = self.cfg.critic.value_clip
-        mine = batch.select(rank_rows(batch.num_sequences, self.rank, self.world_size))
-        count = mine.loss_mask.sum().reshape(1).to(self.device)
-        dist.all_reduce(count)
-        denominator = count.item() if count.item() > 0 else 1.0  # empty: loss is 0
+        # Every rank holds the whole mini-batch: the global count needs no collective.
+        count = batch.loss_mask.sum().item()
+        denominator = count if count > 0 else 1.0  # empty: the loss is 0
         # fp64 sums: explained variance subtracts sums of squares, which cancel badly in fp32.
         sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # + loss
-        for micro, _ in self._micro_batches(batch):
+        for micro, inputs, _ in self._micro_batches(batch):
             mask = micro.loss_mask
-            values = self.model(micro.input_ids, micro.attention_mask)
+            values = self.model(inputs)
             token_loss = value_loss(values, micro.old_values, micro.returns, mask, clip)  # masked
             loss = token_loss.sum() / denominator
             (loss * self.world_size).backward()
@@ -235,7 +228,7 @@ class ValueTrainer:
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's shards of the critic and its optimizer (collective)."""
-        self.model.reshard()
+        reshard(self.model)
         save_training_state(Path(directory), self.rank, self.model, self.optimizer, self.scheduler)
 
     def load_checkpoint(self, directory: str) -> None:

@@ -37,7 +37,7 @@ class CriticWorker:
         self.trainer = ValueTrainer(self.cfg, self.rank, self.world_size, master_addr, master_port)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        """This rank's rows (`trainer.ranks.rank_rows`) of the values [B, T-1]."""
+        """The values [B, T-1] of `batch`, the same on every rank (collective)."""
         return self.trainer.compute_values(batch)
 
     def train_step(self, batch: Batch) -> dict[str, float]:

@@ -5,15 +5,21 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kernels import logprobs, naive_logprobs
 from rl.config import ModelConfig, TrainerConfig
+from trainer.packing import IGNORE, ModelInput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_IGNORE = -100  # target id of padding positions
 
 
 class LogProbModel(nn.Module):
@@ -29,28 +35,34 @@ class LogProbModel(nn.Module):
         self.model = model
         self.cfg = cfg
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, attention_mask [B, T] -> (logprob, entropy) [B, T-1] fp32.
+    def forward(self, inputs: ModelInput, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob, entropy) [B, T-1] fp32 of the micro-batch `inputs` was built from.
 
         Position t scores input_ids[:, t+1] under softmax(logits_t / temperature); padding
         targets are skipped by the kernel and score 0.
         """
         out = self.model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
         )
-        targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, _IGNORE)
-        args = (out.last_hidden_state[:, :-1], self.model.get_output_embeddings().weight, targets)
+        args = (
+            out.last_hidden_state[:, :-1],
+            self.model.get_output_embeddings().weight,
+            inputs.targets,
+        )
         if self.cfg.logprob_impl == "naive":
-            return naive_logprobs(*args, temperature, _IGNORE)
-        return logprobs(
-            *args,
-            temperature,
-            _IGNORE,
-            chunk_size=self.cfg.logprob_chunk_size,
-            vocab_chunk_size=self.cfg.logprob_vocab_chunk_size,
-        )
+            logprob, entropy = naive_logprobs(*args, temperature, IGNORE)
+        else:
+            logprob, entropy = logprobs(
+                *args,
+                temperature,
+                IGNORE,
+                chunk_size=self.cfg.logprob_chunk_size,
+                vocab_chunk_size=self.cfg.logprob_vocab_chunk_size,
+            )
+        return inputs.unpack(logprob), inputs.unpack(entropy)
 
 
 def decoder_layers(model: PreTrainedModel, source: str) -> nn.ModuleList:
@@ -80,25 +92,78 @@ def checkpoint_activations(layers: nn.ModuleList) -> None:
         layer.forward = checkpointed
 
 
+# Whether a decoder layer frees its gathered parameters after forward (gathering them again for
+# backward) or keeps them until backward: ZeRO-3 trades the second all-gather for memory.
+_RESHARD_AFTER_FORWARD = {"zero3": True, "zero2": False, "hybrid": True, "none": False}
+
+
+def sharding_mesh(device_type: str, world_size: int, cfg: TrainerConfig) -> DeviceMesh:
+    """The device mesh `cfg.sharding` shards over (a collective: every rank builds it).
+
+    zero3 and zero2 shard over all ranks (1-D). hybrid is a 2-D mesh (replicate, shard):
+    parameters are sharded within groups of `cfg.shard_group_size` consecutive ranks (a node)
+    and replicated across groups, so gradients reduce-scatter within a group and all-reduce
+    across groups. none is the same 2-D mesh with groups of one: every rank holds the whole
+    model, as DDP does.
+    """
+    if cfg.sharding in ("zero3", "zero2"):
+        return init_device_mesh(device_type, (world_size,))
+    shard = cfg.shard_group_size if cfg.sharding == "hybrid" else 1
+    assert world_size % shard == 0, "checked by rl.recipe.check_consistency"
+    return init_device_mesh(
+        device_type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def num_replicas(mesh: DeviceMesh) -> int:
+    """How many ranks hold each shard: the replicate dimension of a 2-D mesh, else 1."""
+    return mesh.size(0) if mesh.ndim == 2 else 1
+
+
+def offload_policy(offload: bool, device_type: str) -> OffloadPolicy:
+    """FSDP2's CPU offload when asked for on a GPU; on CPU the state is in host memory already,
+    and `OffloadPolicy()` is FSDP2's no-offload default."""
+    return CPUOffloadPolicy() if offload and device_type == "cuda" else OffloadPolicy()
+
+
 def shard_with_fsdp(
     root: nn.Module,
     layers: nn.ModuleList,
     mesh: DeviceMesh,
     dtype: str,
+    cfg: TrainerConfig,
     activation_checkpointing: bool = False,
 ) -> None:
     """FSDP2 `fully_shard` on each decoder layer, then on `root` (everything else).
 
     Parameters stay fp32 (the optimizer's master copy) and are cast to `dtype` for compute;
-    gradients are reduced in fp32.
+    gradients are reduced in fp32. With `cfg.offload` on a GPU, the sharded parameters,
+    gradients and optimizer state live in CPU memory and are copied to the GPU per layer
+    (on CPU they are in CPU memory already).
     """
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
+    offload = offload_policy(cfg.offload, mesh.device_type)
     if activation_checkpointing:
         checkpoint_activations(layers)
+    reshard = _RESHARD_AFTER_FORWARD[cfg.sharding]
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard,
+        )
+    fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=offload)
     assert isinstance(root, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter of `model`'s FSDP modules: after a forward without
+    backward, the root (and under zero2 or none every layer) still holds them."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def load_sharded(
@@ -120,5 +185,5 @@ def load_sharded(
     wrapper = LogProbModel(model, trainer_cfg)
     # A frozen model runs under no_grad: it saves no activations to recompute.
     checkpointed = trainable and trainer_cfg.activation_checkpointing
-    shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, checkpointed)
+    shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, trainer_cfg, checkpointed)
     return wrapper

@@ -21,20 +21,20 @@ from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
 from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
 from trainer.checkpoint import load_training_state, save_training_state
-from trainer.fsdp import LogProbModel, load_sharded
+from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
 from trainer.hf_model import save_hf_atomic
+from trainer.packing import ModelInput
 from trainer.ranks import (
     StepResult,
     adamw_with_warmup,
     check_batching,
+    gather_rows,
     init_rank,
     micro_batches,
     mini_batch_slices,
     optimizer_step,
     peak_memory_mb,
-    rank_rows,
     reset_peak_memory,
-    scatter_rows,
 )
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
@@ -61,9 +61,8 @@ class PolicyTrainer:
         self.cfg = cfg
         self._forward_correction = cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
         self.rank, self.world_size = rank, world_size
-        self.device, mesh = init_rank(
-            rank, world_size, master_addr, master_port, cfg.trainer.num_threads
-        )
+        self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
+        self.num_replicas = num_replicas(mesh)
         self.policy = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True)
         self.reference: LogProbModel | None = None
         if cfg.algorithm.kl_coef > 0:
@@ -77,21 +76,18 @@ class PolicyTrainer:
             cfg.trainer.warmup_steps,
         )
 
-    def _micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
-        """(micro-batch on device, its rows) of this rank's rows (`trainer.ranks.micro_batches`)."""
-        return micro_batches(
-            batch, self.rank, self.world_size, self.cfg.trainer.micro_batch_size, self.device
-        )
-
-    def _forward(self, model: LogProbModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return model(batch.input_ids, batch.attention_mask, self.cfg.rollout.temperature)
+    def _micro_batches(
+        self, batch: Batch
+    ) -> Iterator[tuple[Batch, ModelInput, torch.Tensor | None]]:
+        """(micro-batch, model input, its rows) of this rank (`trainer.ranks.micro_batches`)."""
+        return micro_batches(batch, self.rank, self.world_size, self.cfg.trainer, self.device)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
-        """Log-probs [B_rank, T-1] (fp32, CPU) of this rank's rows (`rank_rows`) of `batch`.
+        """Log-probs [B, T-1] (fp32, CPU) of `batch`, 0 at padding; the same on every rank.
 
         `model` is "policy" or "reference". At temperature rollout.temperature. Collective:
-        every rank must call it with the same batch.
+        every rank must call it with the same batch; each computes its own rows.
         """
         if model == "policy":
             module = self.policy
@@ -100,14 +96,13 @@ class PolicyTrainer:
         else:
             raise ValueError(f"no {model!r} model (a reference exists when algorithm.kl_coef > 0)")
         pieces = []
-        for micro, rows in self._micro_batches(batch):
-            logprob = self._forward(module, micro)[0]  # dummies run too: collectives
+        temperature = self.cfg.rollout.temperature
+        for _, inputs, rows in self._micro_batches(batch):
+            logprob = module(inputs, temperature)[0]  # dummies run too: collectives
             if rows is not None:
-                pieces.append((rows, logprob.cpu()))
-        # The FSDP root keeps its parameters unsharded after forward (for backward); free them.
-        module.reshard()
-        mine = rank_rows(batch.num_sequences, self.rank, self.world_size)
-        return scatter_rows(pieces, mine.stop - mine.start, batch.input_ids.shape[1] - 1)
+                pieces.append((rows, logprob))
+        reshard(module)  # no backward follows to free the gathered parameters
+        return gather_rows(pieces, batch, self.device)
 
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
@@ -123,14 +118,14 @@ class PolicyTrainer:
         metrics, and `tokens` (the loss-mask count they are weighted by).
         """
         algo = self.cfg.algorithm
-        mine = batch.select(rank_rows(batch.num_sequences, self.rank, self.world_size))
         max_len = self.cfg.rollout.max_new_tokens
-        denominator = loss_weights(algo, mine.loss_mask.to(self.device), max_len)[1].reshape(1)
-        dist.all_reduce(denominator)
-        denominator = denominator.item() if denominator.item() > 0 else 1.0  # empty: loss is 0
+        # Every rank holds the whole mini-batch: the global denominator needs no collective.
+        denominator = loss_weights(algo, batch.loss_mask, max_len)[1].item()
+        denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
-        for micro, _ in self._micro_batches(batch):
-            logprob, entropy = self._forward(self.policy, micro)
+        temperature = self.cfg.rollout.temperature
+        for micro, inputs, _ in self._micro_batches(batch):
+            logprob, entropy = self.policy(inputs, temperature)
             loss, metrics = policy_objective(
                 algo, logprob, entropy, micro, max_len, denominator, self._forward_correction
             )
@@ -227,7 +222,7 @@ class PolicyTrainer:
     def write_weight_bucket(self, bucket: int) -> dict[str, float]:
         """Send this rank's rows of `bucket` (see `WeightSender.write`); not collective."""
         if bucket == 0:
-            self.policy.reshard()  # after a forward the FSDP root holds full parameters
+            reshard(self.policy)  # the sender reads the shards
         return self.sender.write(bucket)
 
     def export_hf(self, out_dir: str) -> None:
@@ -245,7 +240,7 @@ class PolicyTrainer:
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's shards of the policy and its optimizer into `directory`
         (collective; the frozen reference is the model.path checkpoint and is not saved)."""
-        self.policy.reshard()
+        reshard(self.policy)
         save_training_state(
             Path(directory), self.rank, self.policy.model, self.optimizer, self.scheduler
         )
@@ -257,14 +252,15 @@ class PolicyTrainer:
         )
 
     def parameter_checksum(self) -> float:
-        """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe."""
+        """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe.
+        Each shard is held by `num_replicas` ranks (hybrid, none): counted once."""
         local = sum(
             (p.to_local() if isinstance(p, DTensor) else p).detach().double().square().sum()
             for p in self.policy.parameters()
         )
         total = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1)
         dist.all_reduce(total)
-        return total.item()
+        return total.item() / self.num_replicas
 
     def close(self) -> None:
         """Leave the process group (the last call on this object)."""

@@ -1,9 +1,10 @@
 """What every FSDP2 role (policy, critic) does the same way on its rank.
 
-Data parallelism: every rank receives the same full `Batch` and works on its contiguous share
-of rows (`rank_rows`). Every rank must issue the same sequence of FSDP forward/backward calls
-(each one runs collectives), so micro-batch counts come from global sizes, and a rank that runs
-out of rows runs a dummy row with zero loss weight instead of skipping a call.
+Data parallelism: every rank receives the same full `Batch` and works on its share of rows
+(`trainer.micro_batching`). Every rank must issue the same sequence of FSDP forward/backward
+calls (each one runs collectives), so every rank plans the micro-batches of all ranks, and a
+rank that runs out of micro-batches runs a dummy row with zero loss weight instead of skipping
+a call.
 """
 
 from __future__ import annotations
@@ -16,23 +17,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from rl.config import TrainerConfig
 from rl.memory import peak_rss_bytes, reset_peak_rss
 from rl.types import Batch
-
-
-def rank_rows(num_rows: int, rank: int, world_size: int) -> slice:
-    """Rows of a `num_rows` batch that `rank` owns: contiguous, sizes differ by at most one.
-
-    The first `num_rows % world_size` ranks get one extra row, so concatenating the ranks'
-    outputs in rank order restores the batch order. The driver uses this to reassemble.
-    """
-    base, extra = divmod(num_rows, world_size)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
+from trainer.fsdp import sharding_mesh
+from trainer.micro_batching import num_micro_batches, plan_micro_batches, rank_rows
+from trainer.packing import ModelInput, packed_input, padded_input
 
 
 def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
@@ -56,12 +49,13 @@ def check_batching(cfg: TrainerConfig) -> None:
 
 
 def init_rank(
-    rank: int, world_size: int, master_addr: str, master_port: int, num_threads: int
+    rank: int, world_size: int, master_addr: str, master_port: int, cfg: TrainerConfig
 ) -> tuple[torch.device, DeviceMesh]:
-    """Join the process group at master_addr:master_port; returns (this rank's device, 1-D mesh).
+    """Join the process group at master_addr:master_port; returns (this rank's device, the
+    mesh `cfg.sharding` shards over, `trainer.fsdp.sharding_mesh`).
 
     CUDA when present (nccl for tensors, gloo for CPU-side collectives), else gloo on CPU with
-    `num_threads` intra-op threads. Blocks until all `world_size` ranks have joined.
+    `cfg.num_threads` intra-op threads. Blocks until all `world_size` ranks have joined.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -69,7 +63,7 @@ def init_rank(
         backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(cfg.num_threads)
         backend = "gloo"
     dist.init_process_group(
         backend,
@@ -77,7 +71,7 @@ def init_rank(
         rank=rank,
         world_size=world_size,
     )
-    return device, init_device_mesh(device.type, (world_size,))
+    return device, sharding_mesh(device.type, world_size, cfg)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -107,45 +101,61 @@ def batch_to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def micro_batches(
-    batch: Batch, rank: int, world_size: int, micro_batch_size: int, device: torch.device
-) -> Iterator[tuple[Batch, torch.Tensor | None]]:
-    """(micro-batch on device, its rows) for this rank's rows; the same count on every rank.
+    batch: Batch, rank: int, world_size: int, cfg: TrainerConfig, device: torch.device
+) -> Iterator[tuple[Batch, ModelInput, torch.Tensor | None]]:
+    """(micro-batch, its model input, its rows of `batch`) for this rank, both on `device`;
+    every rank yields the same number.
 
-    The rank's rows go longest first, so that each micro-batch holds rows of similar length,
-    and each is cut to its own longest row: right padding beyond it is never computed (a
-    batch whose lengths vary 4x spends a third of a padded pass on padding). `rows` are the
-    micro-batch's row positions within the rank's rows, for `scatter_rows`. Losses and
+    Rows as `trainer.micro_batching.plan_micro_batches` deals them. Each micro-batch is cut to
+    its own longest row, so right padding beyond it is never computed (with a token budget its
+    rows are of similar lengths: little padding is left within), and its model input is
+    those rows padded or, with `cfg.packing`, packed into rows as wide as the mini-batch's
+    longest sample (`trainer.packing`). Losses and
     gradients are sums over rows, so the order changes nothing but rounding.
 
-    The count is set by the rank with the most rows. A rank short of rows gets a dummy
-    micro-batch (the batch's first row with an empty loss mask; rows None) so that it still
-    takes part in every FSDP collective.
+    A rank with fewer micro-batches than another gets dummies (the batch's first row with an
+    empty loss mask; rows None) so that it still takes part in every FSDP collective.
     """
     assert batch.num_sequences > 0, "empty batch"
-    mine = rank_rows(batch.num_sequences, rank, world_size)
-    lengths = batch.attention_mask[mine].sum(dim=1)
-    order = torch.sort(lengths, descending=True, stable=True).indices
-    most_rows = math.ceil(batch.num_sequences / world_size)
-    for i in range(max(1, math.ceil(most_rows / micro_batch_size))):
-        rows = order[i * micro_batch_size : (i + 1) * micro_batch_size]
-        if len(rows):
-            micro = batch.select(rows + mine.start).trim(int(lengths[rows].max()))
-            yield batch_to_device(micro, device), rows
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    plan = plan_micro_batches(
+        lengths, world_size, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packing
+    )
+    width = max(lengths)  # of packed rows: the mini-batch's longest sample
+
+    def build(micro: Batch) -> ModelInput:
+        return packed_input(micro, width) if cfg.packing else padded_input(micro)
+
+    mine = plan[rank]
+    for i in range(num_micro_batches(plan)):
+        if i < len(mine):
+            rows = torch.tensor(mine[i])
+            micro = batch.select(rows).trim(max(lengths[row] for row in mine[i]))
         else:
-            row = batch.select(slice(0, 1))
-            dummy = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
-            yield batch_to_device(dummy, device), None
+            rows, row = None, batch.select(slice(0, 1))
+            micro = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
+        yield batch_to_device(micro, device), build(micro).to(device), rows
 
 
 def scatter_rows(
-    pieces: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int, num_steps: int
+    pieces: list[tuple[torch.Tensor, torch.Tensor]], batch: Batch, device: torch.device
 ) -> torch.Tensor:
-    """[num_rows, num_steps] from (rows, [len(rows), <= num_steps]) pieces of micro_batches'
-    output, in the rank's row order; columns a trimmed piece lacks are 0 (padding)."""
-    out = torch.zeros(num_rows, num_steps)
+    """[B, T-1] fp32 on `device` from (rows, [len(rows), <= T-1]) pieces of `micro_batches`
+    output; rows no piece covers and columns a trimmed piece lacks are 0."""
+    out = torch.zeros(batch.num_sequences, batch.input_ids.shape[1] - 1, device=device)
     for rows, values in pieces:
-        out[rows, : values.shape[1]] = values
+        out[rows.to(device), : values.shape[1]] = values.float()
     return out
+
+
+def gather_rows(
+    pieces: list[tuple[torch.Tensor, torch.Tensor]], batch: Batch, device: torch.device
+) -> torch.Tensor:
+    """`scatter_rows` of every rank's pieces, on CPU. Collective: each rank contributes its own
+    rows and every rank gets the whole [B, T-1]."""
+    out = scatter_rows(pieces, batch, device)
+    dist.all_reduce(out)  # each row is written by exactly one rank
+    return out.cpu()
 
 
 def adamw_with_warmup(

@@ -1,5 +1,6 @@
 """The sending side of weight sync on one trainer rank: its own FSDP2 shard rows, straight into
-shared memory. No all-gather: every rank writes only the rows it holds."""
+shared memory. Sharded over all ranks (zero2, zero3) there is no all-gather: every rank writes
+only the rows it holds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit
+from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit, owned_rows
 from rl.weight_transport import open_channel
 
 
@@ -55,7 +56,7 @@ class WeightSender:
     def __init__(
         self, model: nn.Module, plan: WeightSyncPlan, rank: int, channel_spec: dict
     ) -> None:
-        self._model, self._plan = model, plan
+        self._model, self._plan, self._rank = model, plan, rank
         self._channel = open_channel(plan, channel_spec, member=rank)
         self._base_rss = 0
 
@@ -71,15 +72,23 @@ class WeightSender:
             self._base_rss = rss_bytes()
             reset_peak_rss()
         params = dict(self._model.named_parameters())
-        local = {spec.name: _local_rows(params[spec.name]) for spec in self._plan.buckets[bucket]}
+        local = {
+            spec.name: self._rows(params[spec.name].detach()) for spec in self._plan.buckets[bucket]
+        }
         self._channel.write(bucket, local)
         return {
             "seconds": time.perf_counter() - start,
             "peak_extra_bytes": float(max(peak_rss_bytes() - self._base_rss, 0)),
         }
 
-
-def _local_rows(param: torch.Tensor) -> torch.Tensor:
-    """This rank's dim-0 shard of an FSDP2 parameter (the whole tensor when unsharded, W = 1)."""
-    param = param.detach()
-    return param.to_local() if isinstance(param, DTensor) else param
+    def _rows(self, param: torch.Tensor) -> torch.Tensor:
+        """The dim-0 rows the plan has this rank send (`owned_rows`): its own FSDP2 shard when
+        sharded over all ranks (zero2, zero3) or the whole tensor at W = 1; otherwise (a 2-D
+        mesh: hybrid, none) the rank holds other rows than these, so they are cut from the
+        gathered tensor (a collective, which every rank runs for every tensor)."""
+        if not isinstance(param, DTensor):
+            return param
+        if param.device_mesh.ndim == 1:
+            return param.to_local()
+        start, stop = owned_rows(param.shape[0], self._rank, self._plan.world_size)
+        return param.full_tensor()[start:stop]

@@ -38,7 +38,7 @@ class TrainWorker:
         self.trainer = PolicyTrainer(self.cfg, self.rank, self.world_size, master_addr, master_port)
 
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
-        """This rank's rows (`trainer.policy.rank_rows`) of the log-probs [B, T-1]."""
+        """The log-probs [B, T-1] of `batch`, the same on every rank (collective)."""
         return self.trainer.compute_logprobs(batch, model)
 
     def train_step(self, batch: Batch) -> dict[str, float]:

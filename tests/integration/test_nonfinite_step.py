@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from rl.config import Config
 from rl.types import Batch
 from trainer.critic import ValueTrainer
-from trainer.policy import PolicyTrainer, rank_rows
+from trainer.micro_batching import rank_rows
+from trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.integration
 

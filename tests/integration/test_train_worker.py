@@ -4,15 +4,20 @@ weight-sync buffers and HF export, on the tiny checkpoints of tests/conftest.py.
 from __future__ import annotations
 
 import math
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from fsdp_ranks import (
+    free_port,
+    hf_logprobs,
+    make_batch,
+    sync_between_ranks,
+    trainer_config,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -22,59 +27,10 @@ from rl.types import Batch
 from rl.weight_pieces import bucket_tensors
 from rl.weight_plan import WeightSyncPlan, load_unit, plan_to_json, plan_weight_sync
 from rl.weight_transport import open_slots, remove_slots, slot_paths
-from trainer.policy import PolicyTrainer, rank_rows
+from trainer.policy import PolicyTrainer
 from trainer.worker import create_train_group
 
 pytestmark = pytest.mark.integration
-
-TEMPERATURE = 0.8
-
-
-def _config(model_dir: Path, **trainer: object) -> Config:
-    return Config.model_validate(
-        {
-            "model": {"path": str(model_dir)},
-            "rollout": {"temperature": TEMPERATURE},
-            "trainer": {"num_workers": 2, "logprob_chunk_size": 7, **trainer},
-            "algorithm": {"kl_coef": 0.1, "entropy_coef": 0.01},
-        }
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _hf_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The naive reference: full logits from the plain HF model -> (logprob, entropy) [B, T-1]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), entropy
-
-
-def _make_batch(model, num_rows: int, seq_len: int, seed: int) -> Batch:
-    """Right-padded random sequences; old/ref log-probs near the model's so that some clip."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    lengths = torch.randint(seq_len // 2, seq_len + 1, (num_rows,), generator=gen)
-    prompt_lens = torch.randint(2, seq_len // 2, (num_rows,), generator=gen)
-    steps = torch.arange(seq_len)
-    attention_mask = (steps < lengths[:, None]).long()
-    input_ids = torch.randint(1, vocab, (num_rows, seq_len), generator=gen) * attention_mask
-    targets = steps[1:]
-    loss_mask = ((targets >= prompt_lens[:, None]) & (targets < lengths[:, None])).float()
-    batch = Batch(input_ids, attention_mask, loss_mask, loss_mask, loss_mask, loss_mask)
-    with torch.no_grad():
-        logprobs, _ = _hf_logprobs(model, batch)
-    noise = torch.randn(2, num_rows, seq_len - 1, generator=gen)
-    batch.old_logprobs = (logprobs + 0.3 * noise[0]) * loss_mask
-    batch.ref_logprobs = (logprobs + 0.2 * noise[1]) * loss_mask
-    batch.advantages = torch.randn(num_rows, 1, generator=gen) * loss_mask
-    return batch
-
 
 # ---- exact data parallelism, without Ray -------------------------------------------------
 
@@ -103,35 +59,9 @@ def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> No
         trainer.optimizer.zero_grad()
     # Still at the initial weights: the step's grad norm is that of the last aggregation.
     result["train_step"] = trainer.train_step(batch)
-    result["synced"], result["full"] = _sync_between_ranks(trainer, rank, f"tandem-test-{port}")
+    result["synced"], result["full"] = sync_between_ranks(trainer, rank, f"tandem-test-{port}")
     torch.save(result, out / f"rank{rank}.pt")
     trainer.close()
-
-
-def _sync_between_ranks(
-    trainer: PolicyTrainer, rank: int, prefix: str
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Both ranks write their shards bucket by bucket; rank 0 reads the tensors back.
-    Returns (what rank 0 read, the full parameters) on rank 0, empty dicts on rank 1."""
-    specs, shape = trainer.weight_sync_spec()
-    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14)
-    spec = {"kind": "shared_memory", "prefix": prefix}
-    if rank == 0:  # rank 0 creates the buffers
-        trainer.open_weight_sender(plan, spec)
-    dist.barrier()
-    if rank == 1:
-        trainer.open_weight_sender(plan, spec)
-    full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
-    slots = open_slots(slot_paths(prefix), plan.slot_numel)
-    synced = {}
-    for bucket in range(len(plan.buckets)):
-        trainer.write_weight_bucket(bucket)
-        dist.barrier()
-        if rank == 0:
-            synced |= {n: t.clone() for n, t in bucket_tensors(slots[bucket % 2], plan, bucket)}
-        dist.barrier()  # read before the slot is reused
-    remove_slots(prefix)
-    return (synced, full) if rank == 0 else ({}, {})
 
 
 def test_two_ranks_with_micro_batches_equal_one_full_batch(
@@ -140,18 +70,17 @@ def test_two_ranks_with_micro_batches_equal_one_full_batch(
     """W=2, 9 rows (5 + 4: rank 1 runs a dummy micro-batch), micro_batch_size 2, chunk 7."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    batch = _make_batch(model, num_rows=9, seq_len=12, seed=0)
-    cfg = _config(tiny_model_dir, micro_batch_size=2)
-    mp.spawn(_rank_main, args=(cfg, _free_port(), batch, tmp_path), nprocs=2)
+    batch = make_batch(model, num_rows=9, seq_len=12, seed=0)
+    cfg = trainer_config(tiny_model_dir, micro_batch_size=2)
+    mp.spawn(_rank_main, args=(cfg, free_port(), batch, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
-    logprobs, entropy = _hf_logprobs(model, batch)
-    for rank, result in enumerate(ranks):
-        rows = rank_rows(9, rank, 2)
-        # Padding targets are skipped by the kernel and score 0.
-        mine = (logprobs[rows] * batch.attention_mask[rows, 1:]).detach()
-        torch.testing.assert_close(result["logprobs"], mine, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(result["ref_logprobs"], mine, rtol=1e-5, atol=1e-5)
+    logprobs, entropy = hf_logprobs(model, batch)
+    # Padding targets are skipped by the kernel and score 0.
+    expected = (logprobs * batch.attention_mask[:, 1:]).detach()
+    for result in ranks:  # each rank computes its rows and all of them get the whole batch's
+        torch.testing.assert_close(result["logprobs"], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["ref_logprobs"], expected, rtol=1e-5, atol=1e-5)
 
     for agg in LOSS_AGGS:
         cfg.algorithm.loss_agg = agg
@@ -202,7 +131,7 @@ def _step_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path, label
 
 
 def _one_step(cfg: Config, batch: Batch, out: Path, label: str) -> list[dict]:
-    mp.spawn(_step_main, args=(cfg, _free_port(), batch, out, label), nprocs=2)
+    mp.spawn(_step_main, args=(cfg, free_port(), batch, out, label), nprocs=2)
     return [torch.load(out / f"{label}-rank{r}.pt") for r in range(2)]
 
 
@@ -210,10 +139,10 @@ def test_fused_kernel_and_naive_path_give_the_same_logprobs_and_step(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    batch = _make_batch(model, num_rows=6, seq_len=12, seed=3)
+    batch = make_batch(model, num_rows=6, seq_len=12, seed=3)
     results = {}
     for impl in ("fused", "naive"):
-        cfg = _config(tiny_model_dir, lr=1e-2, micro_batch_size=2, logprob_impl=impl)
+        cfg = trainer_config(tiny_model_dir, lr=1e-2, micro_batch_size=2, logprob_impl=impl)
         results[impl] = _one_step(cfg, batch, tmp_path, impl)
     for fused, naive in zip(results["fused"], results["naive"], strict=True):
         torch.testing.assert_close(fused["logprobs"], naive["logprobs"], rtol=1e-5, atol=1e-5)
@@ -229,10 +158,10 @@ def test_activation_checkpointing_recomputes_each_layer_and_gives_the_same_step(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    batch = _make_batch(model, num_rows=6, seq_len=12, seed=4)
+    batch = make_batch(model, num_rows=6, seq_len=12, seed=4)
     results = {
         checkpointed: _one_step(
-            _config(
+            trainer_config(
                 tiny_model_dir, lr=1e-2, micro_batch_size=2, activation_checkpointing=checkpointed
             ),
             batch,
@@ -259,7 +188,7 @@ def test_activation_checkpointing_recomputes_each_layer_and_gives_the_same_step(
 @pytest.fixture(scope="module")
 def group(tiny_tied_model_dir: Path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = _config(tiny_tied_model_dir, lr=1e-2, micro_batch_size=3, num_mini_batches=2)
+    cfg = trainer_config(tiny_tied_model_dir, lr=1e-2, micro_batch_size=3, num_mini_batches=2)
     try:
         yield create_train_group(cfg)
     finally:
@@ -309,7 +238,7 @@ def test_sync_buffers_carry_hf_names_with_a_tied_embedding_once(
 
 def test_train_step_updates_parameters(group: list, tiny_tied_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.float32)
-    batch = _make_batch(model.eval(), num_rows=16, seq_len=12, seed=1)
+    batch = make_batch(model.eval(), num_rows=16, seq_len=12, seed=1)
     before = _checksum(group)
     batch_ref = ray.put(batch)
     results = ray.get([w.train_step.remote(batch_ref) for w in group])
@@ -337,11 +266,12 @@ def test_export_hf_round_trips_and_matches_synced_weights(group: list, tmp_path:
         source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
         assert torch.equal(tensor, received[source]), name
 
-    batch = _make_batch(exported, num_rows=5, seq_len=10, seed=2)
+    batch = make_batch(exported, num_rows=5, seq_len=10, seed=2)
     batch_ref = ray.put(batch)
     parts = ray.get([w.compute_logprobs.remote(batch_ref) for w in group])
+    assert torch.equal(parts[0], parts[1])
     with torch.no_grad():
-        expected, _ = _hf_logprobs(exported, batch)
+        expected, _ = hf_logprobs(exported, batch)
     expected = expected * batch.attention_mask[:, 1:]  # padding targets score 0
-    torch.testing.assert_close(torch.cat(parts), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts[0], expected, rtol=1e-5, atol=1e-5)
     assert (out_dir / "tokenizer.json").exists()

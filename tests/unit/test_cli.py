@@ -93,6 +93,9 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "data.task=math",  # needs data files
         "data.task=multiplication",
         "reward.terms=[{name: nope}]",
+        "trainer.sharding=hybrid",  # without trainer.shard_group_size
+        "trainer.shard_group_size=2",  # sizes hybrid sharding only
+        "trainer.micro_batch_tokens=-1",
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:

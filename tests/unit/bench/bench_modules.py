@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from types import ModuleType
 
 from tests.conftest import REPO
 
 
 def load_bench_module(name: str) -> ModuleType:
-    """bench/<name>.py as a module."""
+    """bench/<name>.py as a module; the scripts it imports come from bench/, as when run."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -117,6 +117,36 @@ def test_sharding_over_more_ranks_divides_the_training_state(tmp_path: Path) -> 
     assert sixteen["activations"] == eight["activations"]
 
 
+def test_each_sharding_strategy_holds_its_own_share_of_the_state(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    state = {}
+    for sharding, extra in (
+        ("zero3", {}),
+        ("zero2", {}),
+        ("hybrid", {"shard_group_size": 4}),
+        ("none", {}),
+    ):
+        parts = trainer_rank(_gpu_config(trainer={"sharding": sharding, **extra}), shape).parts
+        state[sharding] = (parts["optimizer"], parts["gathered"])
+    optimizer = 8 * shape.num_params
+    assert [state[s][0] for s in ("zero3", "zero2", "hybrid", "none")] == [
+        optimizer / 8,
+        optimizer / 8,
+        optimizer / 4,
+        optimizer,
+    ]
+    # zero2 and none keep every layer gathered from forward to backward, in bf16
+    assert state["zero2"][1] == state["none"][1] == 2 * shape.num_params
+    assert state["zero3"][1] == state["hybrid"][1] < state["zero2"][1] / 4
+
+
+def test_a_token_budget_sizes_the_activations(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    fixed = trainer_rank(_gpu_config(), shape).parts["activations"]
+    budget = trainer_rank(_gpu_config(trainer={"micro_batch_tokens": 4 * 1536}), shape)
+    assert budget.parts["activations"] == fixed / 2  # 4 x 1536 tokens against 8 x 1536
+
+
 def test_a_plan_that_fits_says_how_much_it_needs(tmp_path: Path) -> None:
     report = check_fits(_gpu_config(), _shape(tmp_path, QWEN_05B), 80 * GIB, on_gpu=True)
     assert "trainer rank: params 0.23" in report

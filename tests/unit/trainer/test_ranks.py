@@ -1,4 +1,4 @@
-"""How a rank cuts its rows into micro-batches: longest first, each cut to its longest row,
+"""How a rank cuts its rows into micro-batches, each cut to its longest row, padded or packed,
 with results scattered back in row order and the objective unchanged."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rl.batching import build_batch
-from rl.config import AlgorithmConfig
+from rl.config import AlgorithmConfig, TrainerConfig
 from rl.loss import loss_weights, policy_objective
 from rl.types import Batch, Sample
-from trainer.ranks import micro_batches, rank_rows, scatter_rows
+from trainer.ranks import micro_batches, scatter_rows
 
 CPU = torch.device("cpu")
 MAX_NEW = 12
@@ -38,40 +38,67 @@ def _logprobs(micro: Batch) -> torch.Tensor:
     return -0.01 * micro.input_ids[:, 1:].float()
 
 
-def test_micro_batches_go_longest_first_and_are_cut_to_their_longest_row() -> None:
+def _micro_batches(batch: Batch, rank: int, world_size: int, **trainer: object) -> list:
+    return list(micro_batches(batch, rank, world_size, TrainerConfig(**trainer), CPU))
+
+
+def test_fixed_micro_batches_keep_the_row_order_and_are_cut_to_their_longest_row() -> None:
     batch = _batch([2, 9, 4, 12, 1, 7])
-    micros = list(micro_batches(batch, rank=0, world_size=1, micro_batch_size=2, device=CPU))
-    assert [rows.tolist() for _, rows in micros] == [[3, 1], [5, 2], [0, 4]]
-    assert [micro.input_ids.shape[1] for micro, _ in micros] == [15, 10, 5]  # prompt 3 + longest
-    assert all(m.loss_mask.shape[1] == m.input_ids.shape[1] - 1 for m, _ in micros)
+    micros = _micro_batches(batch, 0, 1, micro_batch_size=2)
+    assert [rows.tolist() for _, _, rows in micros] == [[0, 1], [2, 3], [4, 5]]
+    assert [micro.input_ids.shape[1] for micro, _, _ in micros] == [
+        12,
+        15,
+        10,
+    ]  # prompt 3 + longest
 
 
-def test_a_rank_short_of_rows_runs_a_dummy_micro_batch_without_rows() -> None:
+def test_token_budget_micro_batches_go_longest_first() -> None:
+    batch = _batch([2, 9, 4, 12, 1, 7])  # 5, 12, 7, 15, 4, 10 tokens
+    micros = _micro_batches(batch, 0, 1, micro_batch_tokens=30)
+    assert [rows.tolist() for _, _, rows in micros] == [[3, 1], [5, 2, 0], [4]]
+    assert all(m.loss_mask.shape[1] == m.input_ids.shape[1] - 1 for m, _, _ in micros)
+
+
+def test_a_token_budget_counts_padded_positions_or_packed_rows() -> None:
+    batch = _batch([9, 1, 1, 1, 5])  # 12, 4, 4, 4, 8 tokens with the prompt
+    padded = _micro_batches(batch, 0, 1, micro_batch_tokens=24)
+    assert [rows.tolist() for _, _, rows in padded] == [[0, 4], [1, 2, 3]]
+    packed = _micro_batches(batch, 0, 1, micro_batch_tokens=12, packing=True)
+    # one row of 12 (the longest) a micro-batch: [12], [8, 4], [4, 4]
+    assert [rows.tolist() for _, _, rows in packed] == [[0], [4, 1], [2, 3]]
+    for _, inputs, _ in packed:
+        assert inputs.input_ids.shape == (1, 12) and inputs.attention_mask is None
+
+
+def test_a_rank_short_of_micro_batches_runs_a_dummy_without_rows() -> None:
     batch = _batch([3, 5, 2])  # 2 ranks: rank 0 has 2 rows, rank 1 one
-    micros = list(micro_batches(batch, rank=1, world_size=2, micro_batch_size=1, device=CPU))
-    assert micros[0][1].tolist() == [0] and micros[1][1] is None
+    micros = _micro_batches(batch, 1, 2, micro_batch_size=1)
+    assert micros[0][2].tolist() == [2] and micros[1][2] is None
     assert micros[1][0].loss_mask.sum() == 0
 
 
-def test_scattered_outputs_equal_a_pass_over_the_whole_padded_batch() -> None:
+@pytest.mark.parametrize("trainer", [{"micro_batch_size": 2}, {"micro_batch_tokens": 30}])
+def test_every_row_lands_on_exactly_one_rank_and_scatters_back_in_place(trainer: dict) -> None:
     batch = _batch([2, 9, 4, 12, 1, 7, 5])
+    whole = torch.zeros(batch.num_sequences, batch.input_ids.shape[1] - 1)
     for rank in range(2):
-        mine = rank_rows(batch.num_sequences, rank, 2)
         pieces = [
             (rows, _logprobs(micro))
-            for micro, rows in micro_batches(batch, rank, 2, micro_batch_size=2, device=CPU)
+            for micro, _, rows in _micro_batches(batch, rank, 2, **trainer)
             if rows is not None
         ]
-        whole = _logprobs(batch.select(mine)) * batch.loss_mask[mine]
-        scattered = scatter_rows(pieces, mine.stop - mine.start, batch.input_ids.shape[1] - 1)
-        assert torch.equal(scattered * batch.loss_mask[mine], whole)
+        whole += scatter_rows(pieces, batch, CPU)  # what gather_rows' all-reduce adds up
+    expected = _logprobs(batch) * batch.attention_mask[:, 1:]
+    assert torch.equal(whole * batch.attention_mask[:, 1:], expected)
 
 
 @pytest.mark.parametrize(
     "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 )
+@pytest.mark.parametrize("trainer", [{"micro_batch_size": 3}, {"micro_batch_tokens": 25}])
 def test_the_objective_over_sorted_cut_micro_batches_is_the_full_batch_objective(
-    agg: str,
+    agg: str, trainer: dict
 ) -> None:
     cfg = AlgorithmConfig(loss_agg=agg)
     batch = _batch([2, 9, 4, 12, 1, 7, 5, 3])
@@ -81,7 +108,7 @@ def test_the_objective_over_sorted_cut_micro_batches_is_the_full_batch_objective
         cfg, logprobs, torch.zeros_like(logprobs), batch, MAX_NEW, denominator
     )
     parts = 0.0
-    for micro, _ in micro_batches(batch, 0, 1, micro_batch_size=3, device=CPU):
+    for micro, _, _ in _micro_batches(batch, 0, 1, **trainer):
         lp = _logprobs(micro)
         parts += policy_objective(cfg, lp, torch.zeros_like(lp), micro, MAX_NEW, denominator)[0]
     assert torch.allclose(full, parts, atol=1e-6)

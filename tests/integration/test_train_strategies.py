@@ -1,0 +1,138 @@
+"""Every way of sharding and batching the trainer trains the same model: ZeRO-3, ZeRO-2,
+hybrid sharding on 2x1 and 1x2 meshes and no sharding, padded or packed micro-batches of a fixed
+count or a token budget, on a real 2-rank gloo group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from fsdp_ranks import free_port, make_batch, sync_between_ranks, trainer_config
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from rl.types import Batch
+from trainer.policy import PolicyTrainer
+from trainer.ranks import micro_batches
+
+pytestmark = pytest.mark.integration
+
+NUM_ROWS, SEQ_LEN, NUM_STEPS = 10, 16, 3
+
+# label -> trainer.* overrides. "one_batch" is the reference: each rank's rows in one forward.
+STRATEGIES = {
+    "one_batch": {"micro_batch_size": NUM_ROWS},
+    "zero3": {},
+    "zero2": {"sharding": "zero2"},
+    "hybrid_2x1": {"sharding": "hybrid", "shard_group_size": 1},
+    "hybrid_1x2": {"sharding": "hybrid", "shard_group_size": 2},
+    "none": {"sharding": "none"},
+    "packed": {"packing": True, "micro_batch_size": 5},
+    "token_budget": {"micro_batch_tokens": 40},
+    "token_budget_packed": {"micro_batch_tokens": 40, "packing": True},
+}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().full_tensor()
+
+
+def _layout(trainer: PolicyTrainer, batch: Batch) -> dict:
+    """The mesh the parameters are sharded over, and whether a decoder layer holds its shards
+    (not the gathered parameters) between forward and backward."""
+    first = next(trainer.policy.parameters())
+    _, inputs, _ = next(micro_batches(batch, trainer.rank, 2, trainer.cfg.trainer, trainer.device))
+    logprob = trainer.policy(inputs, 1.0)[0]
+    weight = trainer.policy.model.model.layers[0].mlp.up_proj.weight
+    layout = {"mesh": tuple(first.device_mesh.shape), "resharded": isinstance(weight, DTensor)}
+    (0 * logprob.sum()).backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return layout
+
+
+def _strategies_main(
+    rank: int, model_dir: Path, ports: list[int], batches: list[Batch], out: Path
+) -> None:
+    """For each strategy in turn, in one process group of its own: log-probs, the first
+    mini-batch's gradients, NUM_STEPS train steps, the parameters and a weight sync."""
+    results = {}
+    for (label, overrides), port in zip(STRATEGIES.items(), ports, strict=True):
+        cfg = trainer_config(model_dir, **{"lr": 1e-3, "micro_batch_size": 2, **overrides})
+        trainer = PolicyTrainer(cfg, rank, 2, "127.0.0.1", port)
+        result = {"logprobs": trainer.compute_logprobs(batches[0]), **_layout(trainer, batches[0])}
+        result["metrics"] = trainer.accumulate_gradients(batches[0])
+        params = trainer.policy.model.named_parameters()
+        result["grads"] = {name: _full(p.grad) for name, p in params}
+        trainer.optimizer.zero_grad(set_to_none=True)
+        result["steps"] = [trainer.train_step(batch) for batch in batches]
+        result["checksum"] = trainer.parameter_checksum()
+        result["synced"], result["params"] = sync_between_ranks(
+            trainer, rank, f"tandem-strategy-{port}"
+        )
+        trainer.close()
+        results[label] = result
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def strategies(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Rank 0's results per strategy label."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    # Lengths vary 4x within a batch, so that packing puts several samples in a row.
+    batches = [
+        make_batch(model, NUM_ROWS, SEQ_LEN, seed, SEQ_LEN // 4) for seed in range(NUM_STEPS)
+    ]
+    out = tmp_path_factory.mktemp("strategies")
+    ports = [free_port() for _ in STRATEGIES]
+    mp.spawn(_strategies_main, args=(tiny_model_dir, ports, batches, out), nprocs=2)
+    return torch.load(out / "rank0.pt")
+
+
+@pytest.mark.parametrize("label", [label for label in STRATEGIES if label != "one_batch"])
+def test_the_strategy_gives_the_logprobs_gradients_and_parameters_of_one_batch(
+    strategies: dict, label: str
+) -> None:
+    reference, result = strategies["one_batch"], strategies[label]
+    torch.testing.assert_close(result["logprobs"], reference["logprobs"], rtol=1e-5, atol=1e-6)
+    assert result["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(result["grads"][name], grad, rtol=1e-4, atol=1e-7)
+    for got, expected in zip(result["steps"], reference["steps"], strict=True):
+        assert got["actor/loss"] == pytest.approx(expected["actor/loss"], rel=1e-4, abs=1e-7)
+        assert got["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+    # Adam moves a parameter by about lr a step whatever its gradient's size, so one whose
+    # gradient is rounding noise can differ by up to 2 lr: bounded by a few such elements.
+    for name, param in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], param, rtol=1e-4, atol=1e-5)
+    assert result["checksum"] == pytest.approx(reference["checksum"], rel=1e-6)
+
+
+def test_each_strategy_shards_over_its_own_mesh(strategies: dict) -> None:
+    layouts = {label: (r["mesh"], r["resharded"]) for label, r in strategies.items()}
+    assert layouts["zero3"] == ((2,), True)
+    assert layouts["zero2"] == ((2,), False)
+    assert layouts["hybrid_2x1"] == ((2, 1), True)
+    assert layouts["hybrid_1x2"] == ((1, 2), True)
+    assert layouts["none"] == ((2, 1), False)
+
+
+def test_the_steps_moved_the_parameters(strategies: dict, tiny_model_dir: Path) -> None:
+    """The comparison above is between trained models, not between copies of the start."""
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    moved = max(
+        (strategies["zero3"]["params"][name] - p).abs().max().item()
+        for name, p in start.named_parameters()
+    )
+    assert moved > 100 * 1e-5
+
+
+@pytest.mark.parametrize("label", list(STRATEGIES))
+def test_the_weight_sync_sends_the_full_parameters_whatever_the_mesh(
+    strategies: dict, label: str
+) -> None:
+    result = strategies[label]
+    assert sorted(result["synced"]) == sorted(result["params"])
+    for name, tensor in result["synced"].items():
+        assert torch.equal(tensor, result["params"][name]), name

@@ -1,0 +1,84 @@
+"""The decoder's input for one micro-batch: the padded rows as they are, or the samples packed.
+
+Packing lays the micro-batch's samples end to end in a few rows (first fit, longest first, in
+rows as wide as the mini-batch's longest sample), with positions restarting at 0 for every sample and no
+attention mask: transformers then reads the sample boundaries from the positions and keeps each
+token's attention inside its own sample (`masking_utils.find_packed_sequence_indices`). No
+position is spent on padding but the ends of rows, and a row's attention costs no more than a
+padded row's, since no row is wider than the padded layout.
+
+Either way the outputs come back in the padded [B, T-1] layout of the micro-batch (`unpack`),
+where the losses are computed: per-token results are the same whichever layout was run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rl.types import Batch
+from trainer.micro_batching import pack_rows
+
+IGNORE = -100  # target id of positions that score no token of their own sample
+
+
+@dataclass
+class ModelInput:
+    """input_ids, position_ids [R, C]; attention_mask [R, C] or None (packed); targets
+    [R, C-1]; unpack_index [B, T-1] or None (padded: the layout already is [B, T-1])."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    targets: torch.Tensor
+    unpack_index: torch.Tensor | None = None
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """[R, C-1] per-position values -> [B, T-1] per target of the padded micro-batch, 0 at
+        padding. Differentiable (a gather)."""
+        if self.unpack_index is None:
+            return values
+        flat = torch.cat([values.reshape(-1), values.new_zeros(1)])  # the last entry: padding
+        return flat[self.unpack_index]
+
+    def to(self, device: torch.device) -> ModelInput:
+        moved = {
+            name: None if (t := getattr(self, name)) is None else t.to(device)
+            for name in ("input_ids", "attention_mask", "position_ids", "targets", "unpack_index")
+        }
+        return ModelInput(**moved)
+
+
+def padded_input(micro: Batch) -> ModelInput:
+    """The micro-batch's own right-padded rows; padding targets are IGNORE."""
+    targets = micro.input_ids[:, 1:].masked_fill(micro.attention_mask[:, 1:] == 0, IGNORE)
+    return ModelInput(micro.input_ids, micro.attention_mask, None, targets)
+
+
+def packed_input(micro: Batch, width: int = 0) -> ModelInput:
+    """The micro-batch's samples packed first-fit into rows of `width` positions (at least its
+    longest sample's; 0: exactly that)."""
+    lengths = micro.attention_mask.sum(dim=1).tolist()
+    width = max(width, *lengths)
+    layout = pack_rows(lengths, width)
+    num_rows, num_steps = len(layout), micro.input_ids.shape[1] - 1
+    input_ids = torch.zeros(num_rows, width, dtype=micro.input_ids.dtype)
+    # The tail of a row counts on from 0 as a sample of its own: it scores nothing.
+    position_ids = torch.zeros(num_rows, width, dtype=torch.long)
+    targets = torch.full((num_rows, width - 1), IGNORE, dtype=micro.input_ids.dtype)
+    padding = num_rows * (width - 1)  # the index `unpack` reads as 0
+    unpack_index = torch.full((micro.num_sequences, num_steps), padding, dtype=torch.long)
+    for row, samples in enumerate(layout):
+        offset = 0
+        for sample in samples:
+            n = lengths[sample]
+            tokens = micro.input_ids[sample, :n]
+            input_ids[row, offset : offset + n] = tokens
+            position_ids[row, offset : offset + n] = torch.arange(n)
+            # Position offset + t scores the sample's token t + 1; its last scores nothing.
+            targets[row, offset : offset + n - 1] = tokens[1:]
+            unpack_index[sample, : n - 1] = row * (width - 1) + offset + torch.arange(n - 1)
+            offset += n
+        position_ids[row, offset:] = torch.arange(width - offset)
+    return ModelInput(input_ids, None, position_ids, targets, unpack_index)
