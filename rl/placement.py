@@ -84,7 +84,8 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     """The layout of `cfg`, computed without Ray (for `rl train --dry-run`).
 
     colocate: the pool is as large as the largest role needs (each rollout worker spans
-    tensor_parallel_size devices), so on 2 CPUs two trainer ranks and one rollout worker fit.
+    tensor_parallel_size devices), so on 2 CPUs two trainer ranks and one rollout worker fit;
+    scheduler.num_devices makes it larger.
     """
     tp = cfg.rollout.tensor_parallel_size
     num_rollout_devices = cfg.rollout.num_workers * tp
@@ -111,7 +112,8 @@ def plan_placement(cfg: Config) -> PlacementPlan:
         num_devices = num_rollout_devices + num_trainer_devices
         pools = [range(num_rollout_devices), range(num_rollout_devices, num_devices)]
     else:
-        num_devices = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
+        needed = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
+        num_devices = max(needed, cfg.scheduler.num_devices)
         pools = [range(num_devices)]
     node_groups = [group for pool in pools for group in _chunks(pool, per_node or len(pool))]
     return PlacementPlan(cfg.scheduler.placement, num_devices, roles, node_groups, tp)

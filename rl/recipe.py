@@ -208,6 +208,12 @@ def _check_scheduler(cfg: Config, path: Path | str) -> None:
             f"{path}: scheduler.devices_per_node={sched.devices_per_node} must be a multiple of "
             f"rollout.tensor_parallel_size={tp}: an engine's tensor-parallel ranks share one node"
         )
+    if sched.placement == "split" and sched.num_devices:
+        raise ConfigError(
+            f"{path}: scheduler.num_devices sizes the colocated pool; with "
+            "scheduler.placement=split set scheduler.rollout_devices and "
+            "scheduler.trainer_devices instead"
+        )
     if sched.placement == "colocate":
         for key in ("rollout_devices", "trainer_devices"):
             if getattr(sched, key):

@@ -32,6 +32,13 @@ class SchedulerConfig(Section):
         description="split: devices the trainer ranks (and critic, reward models) share "
         "(0 = trainer.num_workers).",
     )
+    num_devices: int = Field(
+        0,
+        ge=0,
+        description="colocate: devices (bundles) of the shared pool (0 = as many as the largest "
+        "role needs); more give a time-sliced CPU rollout engine more threads, e.g. 2 with one "
+        "trainer rank on a 2-CPU machine (set trainer.num_threads to match).",
+    )
     devices_per_node: int = Field(
         0,
         ge=0,

@@ -96,11 +96,13 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "trainer.sharding=hybrid",  # without trainer.shard_group_size
         "trainer.shard_group_size=2",  # sizes hybrid sharding only
         "trainer.micro_batch_tokens=-1",
+        "scheduler.num_devices=2",  # with scheduler.placement=split below
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
     tp = ["rollout.tensor_parallel_size=2"] if override.startswith("scheduler.devices") else []
-    result = run_cli("train", DEMO, override, *tp)
+    split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
+    result = run_cli("train", DEMO, override, *tp, *split)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
 

@@ -32,6 +32,16 @@ def test_a_time_sliced_rollout_worker_gets_threads_for_its_node_groups_devices()
     assert [nodes.rollout_threads(i) for i in range(2)] == [2, 2]  # both in the first node
 
 
+def test_num_devices_widens_the_colocated_pool_for_one_trainer_rank() -> None:
+    cfg = _config(trainer={"num_workers": 1}, rollout={"num_workers": 1})
+    assert plan_placement(cfg).rollout_threads(0) == 1  # a pool of one bundle: a CPU idles
+    cfg.scheduler.num_devices = 2
+    plan = plan_placement(cfg)
+    assert plan.num_devices == 2 and plan.node_groups == [[0, 1]]
+    assert plan.roles == {"rollout": [0], "trainer": [0]}
+    assert plan.rollout_threads(0) == 2
+
+
 def test_tensor_parallel_rollout_workers_start_on_their_first_device() -> None:
     plan = plan_placement(
         _config(trainer={"num_workers": 2}, rollout={"num_workers": 2, "tensor_parallel_size": 2})
