@@ -108,10 +108,10 @@ def micro_batches(
 
     Rows as `trainer.micro_batching.plan_micro_batches` deals them. Each micro-batch is cut to
     its own longest row, so right padding beyond it is never computed (with a token budget its
-    rows are of similar lengths: little padding is left within), and its model input is
-    those rows padded or, with `cfg.packing`, packed into rows as wide as the mini-batch's
-    longest sample (`trainer.packing`). Losses and
-    gradients are sums over rows, so the order changes nothing but rounding.
+    rows are of similar lengths: little padding is left within). Its model input is those
+    rows padded or, with `cfg.packing`, packed into rows as wide as the mini-batch's longest
+    sample (`trainer.packing`). Losses and gradients are sums over rows, so the order changes
+    nothing but rounding.
 
     A rank with fewer micro-batches than another gets dummies (the batch's first row with an
     empty loss mask; rows None) so that it still takes part in every FSDP collective.
