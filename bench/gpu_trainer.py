@@ -39,13 +39,13 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _build_model(shape: dict, directory: Path) -> Path:
+def build_model(shape: dict, directory: Path) -> Path:
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**shape, max_position_embeddings=4096)).save_pretrained(directory)
     return directory
@@ -133,10 +133,10 @@ def main() -> None:
         args.steps, args.warmup, args.micro_batch_size = 2, 1, 4
     shape_dict = SHAPES["tiny" if args.tiny else "0.5b"]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _build_model(shape_dict, Path(tmp) / "model")
+        model_dir = build_model(shape_dict, Path(tmp) / "model")
         shape = ModelShape.read(model_dir)
         cfg = _config(model_dir, args)
-        trainer = PolicyTrainer(cfg, 0, 1, "127.0.0.1", _free_port())
+        trainer = PolicyTrainer(cfg, 0, 1, "127.0.0.1", free_port())
         rollout_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         rollout_model.to(trainer.device).eval()
         rows = []
