@@ -58,7 +58,7 @@ def _strategies_main(
     """For each strategy in turn, in one process group of its own: log-probs, the first
     mini-batch's gradients, NUM_STEPS train steps, the parameters and a weight sync."""
     results = {}
-    for (label, overrides), port in zip(STRATEGIES.items(), ports, strict=True):
+    for (label, overrides), (port, resume_port) in zip(STRATEGIES.items(), ports, strict=True):
         cfg = trainer_config(model_dir, **{"lr": 1e-3, "micro_batch_size": 2, **overrides})
         trainer = PolicyTrainer(cfg, rank, 2, "127.0.0.1", port)
         result = {"logprobs": trainer.compute_logprobs(batches[0]), **_layout(trainer, batches[0])}
@@ -71,7 +71,14 @@ def _strategies_main(
         result["synced"], result["params"] = sync_between_ranks(
             trainer, rank, f"tandem-strategy-{port}"
         )
+        trainer.save_checkpoint(str(out / label / "checkpoint"))
+        trainer.export_hf(str(out / label / "hf"))
         trainer.close()
+        # A fresh trainer of the same strategy resumes the checkpoint.
+        resumed = PolicyTrainer(cfg, rank, 2, "127.0.0.1", resume_port)
+        resumed.load_checkpoint(str(out / label / "checkpoint"))
+        result["resumed_checksum"] = resumed.parameter_checksum()
+        resumed.close()
         results[label] = result
     torch.save(results, out / f"rank{rank}.pt")
 
@@ -85,9 +92,13 @@ def strategies(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         make_batch(model, NUM_ROWS, SEQ_LEN, seed, SEQ_LEN // 4) for seed in range(NUM_STEPS)
     ]
     out = tmp_path_factory.mktemp("strategies")
-    ports = [free_port() for _ in STRATEGIES]
+    ports = [(free_port(), free_port()) for _ in STRATEGIES]
     mp.spawn(_strategies_main, args=(tiny_model_dir, ports, batches, out), nprocs=2)
-    return torch.load(out / "rank0.pt")
+    results = torch.load(out / "rank0.pt")
+    for label, result in results.items():
+        exported = AutoModelForCausalLM.from_pretrained(out / label / "hf", dtype=torch.float32)
+        result["exported"] = dict(exported.named_parameters())
+    return results
 
 
 @pytest.mark.parametrize("label", [label for label in STRATEGIES if label != "one_batch"])
@@ -126,6 +137,16 @@ def test_the_steps_moved_the_parameters(strategies: dict, tiny_model_dir: Path) 
         for name, p in start.named_parameters()
     )
     assert moved > 100 * 1e-5
+
+
+@pytest.mark.parametrize("label", list(STRATEGIES))
+def test_checkpoint_and_export_hold_the_trained_parameters_whatever_the_mesh(
+    strategies: dict, label: str
+) -> None:
+    result = strategies[label]
+    assert result["resumed_checksum"] == pytest.approx(result["checksum"], rel=1e-12)
+    for name, param in result["params"].items():
+        assert torch.equal(result["exported"][name].detach(), param), name
 
 
 @pytest.mark.parametrize("label", list(STRATEGIES))
