@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 from pathlib import Path
 
 import ray
 import torch
 from bare_components import WholeMachine, timed_rounds
+from docs_section import write_section
 from transformers import AutoConfig, AutoTokenizer
 
 from rl.batching import build_batch
@@ -46,7 +46,6 @@ from trainer.micro_batching import pack_rows, plan_micro_batches
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "bench" / "recipes" / "throughput_25m.yaml"
 RESULTS = REPO / ".cache" / "bench" / "trainer_batching.json"
-DOCS = REPO / "docs" / "benchmarks.md"
 TARGET = 1.5  # packed / padded tokens/s the issue asks for
 SPREAD = 4  # longest / shortest response
 
@@ -134,18 +133,6 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def write_docs(text: str) -> None:
-    """Replace the generated block between the markers in docs/benchmarks.md."""
-    begin, end = "<!-- trainer_batching:begin -->", "<!-- trainer_batching:end -->"
-    docs = DOCS.read_text()
-    block = f"{begin}\n{text}\n{end}"
-    if begin in docs:
-        docs = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, docs, flags=re.S)
-    else:
-        docs += f"\n{block}\n"
-    DOCS.write_text(docs)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side")
@@ -206,7 +193,7 @@ def main() -> None:
     text = table(results)
     print(text)
     if args.write_docs:
-        write_docs(text)
+        write_section("trainer_batching", text)
     print(f"raw results: {RESULTS}")
 
 

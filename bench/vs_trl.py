@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import psutil
+from docs_section import write_section
 
 from rl.data import prepare_splits
 from rl.recipe import load_config
@@ -38,7 +39,6 @@ from rl.recipe import load_config
 REPO = Path(__file__).resolve().parents[1]
 TRL_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 RESULTS = REPO / ".cache" / "bench" / "vs_trl.json"
-MARKERS = ("<!-- vs_trl:begin -->", "<!-- vs_trl:end -->")
 THROUGHPUT, ACCURACY = "bench/recipes/throughput_25m.yaml", "bench/recipes/time_to_accuracy.yaml"
 TARGET_ACCURACY = 0.8
 
@@ -292,16 +292,6 @@ def accuracy_table(r: dict) -> str:
     )
 
 
-def write_docs(text: str) -> None:
-    path = REPO / "docs" / "benchmarks.md"
-    doc = path.read_text()
-    begin, end = MARKERS
-    if begin not in doc:
-        raise SystemExit(f"{path} has no {begin} ... {end} section to replace")
-    head, rest = doc.split(begin, 1)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("throughput", "accuracy"))
@@ -331,7 +321,7 @@ def main() -> None:
     )
     print(text)
     if args.write_docs:
-        write_docs(text)
+        write_section("vs_trl", text)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,11 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["vllm"] = Field("vllm", description="Rollout engine.")
+    engine: Literal["vllm", "torch"] = Field(
+        "vllm",
+        description="Rollout engine: vllm, or torch (plain PyTorch over a KV cache, CPU, no "
+        "tensor parallelism), faster for tiny models on CPU where vLLM's per-step cost dominates.",
+    )
     num_workers: int = Field(1, description="RolloutWorker actors, one engine each.")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism inside each worker.")
     kv_cache_gb: float = Field(

@@ -14,7 +14,7 @@ from rl.types import Sample, SamplingParams
 
 
 class SteppedEngine(Protocol):
-    """What the loop needs of an engine (`rollout.vllm_engine.VLLMEngine` in production)."""
+    """What the loop needs of an engine (`rollout.engines`: vLLM or the PyTorch one)."""
 
     @property
     def num_running(self) -> int: ...

@@ -19,14 +19,12 @@ import torch
 from rl.config import RolloutConfig
 from rl.memory import take_peak_memory_bytes
 from rl.types import Sample, SamplingParams
+from rollout.engines import check_scorable, check_startable, decode_responses, sample_seed
 
 if TYPE_CHECKING:
     import vllm
 
 logger = logging.getLogger(__name__)
-
-# A resumed sample draws fresh random numbers: its seed moves on by this per token it has.
-_RESUME_SEED_STRIDE = 1_000_003
 
 
 def _configure_environment() -> int:
@@ -135,24 +133,7 @@ class VLLMEngine:
         samples in place.
         """
         self._check_serving()
-        for sample in samples:
-            if sample.finish_reason not in ("", "abort"):
-                raise ValueError(
-                    f"sample {sample.group_id}/{sample.index} already finished "
-                    f"({sample.finish_reason}); only fresh or aborted samples are generated"
-                )
-            remaining = params.max_new_tokens - len(sample.response_ids)
-            if remaining < 1:
-                raise ValueError(
-                    f"sample {sample.group_id}/{sample.index} already has "
-                    f"{len(sample.response_ids)} tokens of max_new_tokens={params.max_new_tokens}"
-                )
-            if len(sample.prompt_ids) + params.max_new_tokens > self._cfg.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(sample.prompt_ids)} tokens + rollout.max_new_tokens="
-                    f"{params.max_new_tokens} exceeds rollout.max_model_len="
-                    f"{self._cfg.max_model_len}"
-                )
+        check_startable(samples, params, self._cfg.max_model_len)
         for request in _requests(samples, params.n):
             request_id = str(next(self._request_ids))
             first = request[0]
@@ -185,7 +166,7 @@ class VLLMEngine:
                     finished.append(sample)
             if output.finished:
                 del self._running[output.request_id]
-        self._decode(finished)
+        decode_responses(self._tokenizer, finished)
         return finished
 
     def abort(self) -> list[Sample]:
@@ -195,35 +176,22 @@ class VLLMEngine:
         self._running.clear()
         for sample in aborted:
             sample.finish_reason = "abort"
-        self._decode(aborted)
+        decode_responses(self._tokenizer, aborted)
         return aborted
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         """Generate `samples` to the end (see `start`); returns them, in order."""
         self.start(samples, params)
-        while self._running:
+        while self.num_running:
             self.step()
         return samples
-
-    def _decode(self, samples: list[Sample]) -> None:
-        if not samples:
-            return
-        # One batched decode is much cheaper than vLLM's per-token incremental detokenizer.
-        texts = self._tokenizer.batch_decode(
-            [s.response_ids for s in samples], skip_special_tokens=True
-        )
-        for sample, text in zip(samples, texts, strict=True):
-            sample.response_text = text
 
     def _sampling_params(
         self, params: SamplingParams, sample: Sample, n: int
     ) -> vllm.SamplingParams:
         """For `sample` alone, or (n > 1) for it and the n - 1 fresh samples after it: vLLM
         seeds a group's sample k with seed + k, as `start` promises."""
-        seed = None
-        if params.seed is not None:
-            seed = params.seed + sample.group_id * params.n + sample.index
-            seed += _RESUME_SEED_STRIDE * len(sample.response_ids)
+        seed = sample_seed(params, sample)
         return self._vllm_sampling_params(
             n=n,
             temperature=params.temperature,
@@ -244,17 +212,7 @@ class VLLMEngine:
         self._check_serving()
         # LLM.generate steps the whole engine and would swallow running samples' tokens.
         self._check_idle("scoring")
-        if len(num_prompt_tokens) != len(sequences):
-            raise ValueError(
-                f"{len(sequences)} sequences but {len(num_prompt_tokens)} prompt lengths"
-            )
-        for seq, start in zip(sequences, num_prompt_tokens, strict=True):
-            if not 1 <= start <= len(seq):
-                raise ValueError(f"num_prompt_tokens={start} outside [1, {len(seq)}]")
-            if len(seq) >= self._cfg.max_model_len:
-                raise ValueError(
-                    f"sequence of {len(seq)} tokens needs rollout.max_model_len > {len(seq)}"
-                )
+        check_scorable(sequences, num_prompt_tokens, self._cfg.max_model_len)
         # Prompt log-probs come from the raw logits, whatever the logprobs mode.
         params = self._vllm_sampling_params(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self._llm.generate(

@@ -1,4 +1,5 @@
-"""The rollout worker actor: a thin Ray shell around one in-process `VLLMEngine`.
+"""The rollout worker actor: a thin Ray shell around one in-process engine (`rollout.engines`:
+vLLM, or the PyTorch engine for tiny models on CPU).
 
 An async actor: many `generate` calls are in flight at once and one `GenerationLoop` steps the
 engine for all of them; every method runs on the actor's event-loop thread, between engine
@@ -9,18 +10,23 @@ sizes its thread pool from it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ray
 
 from rl.actor_logs import redirect_output
 from rl.config import RolloutConfig
 from rl.types import Sample, SamplingParams
 from rollout.engine_loop import GenerationLoop
-from rollout.vllm_engine import VLLMEngine
+from rollout.engines import build_engine
+
+if TYPE_CHECKING:
+    from rollout.engines import RolloutEngine
 
 
 @ray.remote
 class RolloutWorker:
-    """One vLLM engine serving one policy version at a time."""
+    """One engine (`rollout.engine`) serving one policy version at a time."""
 
     def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
         self._args = (model_path, cfg, dtype, seed)
@@ -34,11 +40,11 @@ class RolloutWorker:
         """Starts the engine (on the event-loop thread, where it will run: vLLM binds the
         starting thread's CPU threads) and returns the seconds its startup took."""
         if self._loop is None:
-            self._loop = GenerationLoop(VLLMEngine(*self._args))
+            self._loop = GenerationLoop(build_engine(*self._args))
         return self._engine.startup_seconds
 
     @property
-    def _engine(self) -> VLLMEngine:
+    def _engine(self) -> RolloutEngine:
         assert self._loop is not None, "call ready() first"
         return self._loop.engine
 
@@ -46,7 +52,7 @@ class RolloutWorker:
         return ray.get_runtime_context().get_node_id()
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
-        """Generate fresh or partial `samples` (see VLLMEngine.start); returns them once each
+        """Generate fresh or partial `samples` (see the engine's start); returns them once each
         has finished, or been aborted by `interrupt` (then partial, to resume later)."""
         assert self._loop is not None, "call ready() first"
         return await self._loop.generate(samples, params)
@@ -75,7 +81,7 @@ class RolloutWorker:
         self._engine.reclaim_memory()
 
     async def peak_memory_mb(self) -> float:
-        """The engine's peak memory since the previous call, MiB (VLLMEngine's
+        """The engine's peak memory since the previous call, MiB (the engine's
         take_peak_memory_bytes)."""
         return self._engine.take_peak_memory_bytes() / (1 << 20)
 

@@ -149,6 +149,33 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
     assert final["rollout/version"] == 2
 
 
+def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    """The time-to-accuracy bench's shape: the PyTorch rollout engine and one unsharded
+    trainer rank of 2 threads time-sliced on a pool of 2 CPUs."""
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "torch-engine",
+        rollout={"engine": "torch"},
+        trainer={"num_workers": 1, "sharding": "none", "num_threads": 2},
+        algorithm={"recompute_old_logprobs": True},
+        scheduler={"num_devices": 2},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
+    for record in records[1:]:
+        # On-policy in fp32: the engine's behaviour log-probs are the trainer's, after each
+        # weight sync too.
+        assert record["off_policy/max_abs_logprob_gap"] < 1e-3
+        assert math.isfinite(record["actor/pg_loss"])
+    assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
+    assert final["rollout/version"] == 2
+    assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
+
+
 @pytest.mark.parametrize(
     "max_staleness, placement",
     [(1, "colocate"), (0, "split"), (1, "split")],

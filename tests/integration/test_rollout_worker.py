@@ -1,5 +1,6 @@
-"""RolloutWorker on real Ray and vLLM: samples and behaviour log-probs against transformers,
-and seeding, for untied and tied embeddings (weight sync: tests/integration/test_weight_sync.py)."""
+"""RolloutWorker on real Ray, with each engine (vLLM and the PyTorch one): samples and behaviour
+log-probs against transformers, and seeding, for untied and tied embeddings (weight sync:
+tests/integration/test_weight_sync.py)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,16 @@ class Rollout:
     model_dir: Path
 
 
-@pytest.fixture(scope="module")
-def rollouts(tiny_model_dir: Path, tiny_tied_model_dir: Path) -> dict[str, Rollout]:
+@pytest.fixture(scope="module", params=["vllm", "torch"])
+def rollouts(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_tied_model_dir: Path
+) -> dict[str, Rollout]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     dirs = {"untied": tiny_model_dir, "tied": tiny_tied_model_dir}
+    cfg = CFG.model_copy(update={"engine": request.param})
     try:
         workers = {
-            kind: RolloutWorker.options(num_cpus=1).remote(str(path), CFG, "float32", 0)
+            kind: RolloutWorker.options(num_cpus=1).remote(str(path), cfg, "float32", 0)
             for kind, path in dirs.items()
         }
         ray.get([worker.ready.remote() for worker in workers.values()])

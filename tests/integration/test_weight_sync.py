@@ -1,5 +1,6 @@
 """Weight sync on real components: a 2-rank FSDP2 trainer group (gloo) streams its shards through
-shared memory into vLLM engines with TP = 1 and TP = 2, for Qwen2 and Llama, tied and untied.
+shared memory into vLLM engines with TP = 1 and TP = 2, and into the PyTorch engine, for Qwen2
+and Llama, tied and untied.
 After a large update the engines' log-probs equal the trainer's; a receiver killed mid-transfer
 is replaced and served the whole current version; a half-applied update is never served."""
 
@@ -33,10 +34,10 @@ MEDIUM = {  # 16M parameters, so buckets of MiBs dwarf the allocator's noise
     "num_key_value_heads": 4,
     "vocab_size": 4096,
 }
-# name: (arch, tied, TP, replicas, bucket MiB, frozen patterns, model sizes, transport)
+# name: (arch, tied, TP, replicas, bucket MiB, frozen patterns, model sizes, transport, engine)
 SETUPS = {
-    "qwen2-tied-tp2": ("qwen2", True, 2, 2, 0.02, [], {}, "auto"),
-    "llama-untied-tp2": ("llama", False, 2, 1, 0.02, [], {}, "auto"),
+    "qwen2-tied-tp2": ("qwen2", True, 2, 2, 0.02, [], {}, "auto", "vllm"),
+    "llama-untied-tp2": ("llama", False, 2, 1, 0.02, [], {}, "auto", "vllm"),
     "qwen2-medium-untied-tp1": (
         "qwen2",
         False,
@@ -46,11 +47,24 @@ SETUPS = {
         ["model.embed_tokens.*"],
         MEDIUM,
         "auto",
+        "vllm",
     ),
-    "llama-tied-tp1": ("llama", True, 1, 1, 0.02, [], {}, "auto"),
+    "llama-tied-tp1": ("llama", True, 1, 1, 0.02, [], {}, "auto", "vllm"),
     # The cross-host transport, on one host: each rank receives only its regions' bytes.
-    "llama-untied-tp2-gloo": ("llama", False, 2, 2, 0.02, [], {}, "distributed"),
-    "qwen2-medium-untied-tp1-gloo": ("qwen2", False, 1, 1, 2.0, [], MEDIUM, "distributed"),
+    "llama-untied-tp2-gloo": ("llama", False, 2, 2, 0.02, [], {}, "distributed", "vllm"),
+    "qwen2-medium-untied-tp1-gloo": (
+        "qwen2",
+        False,
+        1,
+        1,
+        2.0,
+        [],
+        MEDIUM,
+        "distributed",
+        "vllm",
+    ),
+    "qwen2-tied-torch": ("qwen2", True, 1, 2, 0.02, [], {}, "auto", "torch"),
+    "llama-untied-torch-gloo": ("llama", False, 1, 1, 0.02, [], {}, "distributed", "torch"),
 }
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -82,12 +96,13 @@ def ray_cluster():
 
 @pytest.fixture(scope="module", params=list(SETUPS))
 def setup(request: pytest.FixtureRequest, ray_cluster: None):
-    arch, tied, tp, replicas, bucket_mb, frozen, sizes, transport = SETUPS[request.param]
+    arch, tied, tp, replicas, bucket_mb, frozen, sizes, transport, engine = SETUPS[request.param]
     model_dir = build_checkpoint(Path(tempfile.mkdtemp()) / request.param, arch, tied, **sizes)
     cfg = Config.model_validate(
         {
             "model": {"path": str(model_dir), "frozen": frozen},
             "rollout": {
+                "engine": engine,
                 "num_workers": replicas,
                 "tensor_parallel_size": tp,
                 "kv_cache_gb": 0.0625,
@@ -149,7 +164,7 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     version = 1 + max(setup.rollout.versions())
     metrics = setup.sync.push(version)
     assert max(_gaps(setup)) < 1e-4
-    assert setup.sync.transport == SETUPS[setup.name][-1].replace("auto", "shared_memory")
+    assert setup.sync.transport == SETUPS[setup.name][7].replace("auto", "shared_memory")
     assert setup.rollout.versions() == [version] * len(setup.rollout.workers)
     # Each engine's largest TP rank (its own process with TP 2), the sync's peak included.
     peak_mb = setup.rollout.peak_memory_mb()
@@ -222,7 +237,7 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     assert max(_gaps(setup)) < 1e-4
 
 
-@pytest.mark.parametrize("setup", ["qwen2-tied-tp2"], indirect=True)
+@pytest.mark.parametrize("setup", ["qwen2-tied-tp2", "qwen2-tied-torch"], indirect=True)
 def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     _large_update(setup)
     worker = setup.rollout.workers[0]
@@ -244,7 +259,7 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     assert samples[0].token_versions == [version] * len(samples[0].response_ids)
 
 
-@pytest.mark.parametrize("setup", ["llama-tied-tp1"], indirect=True)
+@pytest.mark.parametrize("setup", ["llama-tied-tp1", "qwen2-tied-torch"], indirect=True)
 def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: Setup) -> None:
     """A partial rollout: interrupted mid-generation by a sync, resumed under the new weights;
     its prefix stays, each token records the version that sampled it, and each token's

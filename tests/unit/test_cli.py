@@ -97,10 +97,13 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "trainer.shard_group_size=2",  # sizes hybrid sharding only
         "trainer.micro_batch_tokens=-1",
         "scheduler.num_devices=2",  # with scheduler.placement=split below
+        "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
+        "rollout.engine=sglang",
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
-    tp = ["rollout.tensor_parallel_size=2"] if override.startswith("scheduler.devices") else []
+    needs_tp = override.startswith("scheduler.devices") or override == "rollout.engine=torch"
+    tp = ["rollout.tensor_parallel_size=2"] if needs_tp else []
     split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
     result = run_cli("train", DEMO, override, *tp, *split)
     assert result.returncode == 2
