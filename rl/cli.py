@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--max-new-tokens", type=int, default=32)
         command.add_argument("--max-model-len", type=int, default=512)
         command.add_argument("--seed", type=int, default=0)
+        command.add_argument(
+            "--engine", choices=("vllm", "torch"), default="vllm", help="rollout engine"
+        )
     return parser
 
 
@@ -180,7 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
             rows = offline_eval.load_eval_rows(Path(args.data), task)
         with offline_eval.model_directory(Path(args.model)) as model_dir:
             evaluator = offline_eval.Evaluator(
-                model_dir, args.max_new_tokens, args.max_model_len, args.seed
+                model_dir, args.max_new_tokens, args.max_model_len, args.seed, args.engine
             )
             if args.command == "eval":
                 result = evaluator.evaluate(rows, task, args.k, args.temperature)

@@ -82,15 +82,20 @@ def task_of(model: Path, task: str | None) -> str:
 
 
 class Evaluator:
-    """One in-process vLLM engine over an HF model directory (fp32 on CPU, as rollouts)."""
+    """One in-process rollout engine (`rollout.engines`: vllm or torch) over an HF model
+    directory, in fp32."""
 
-    def __init__(self, model_dir: Path, max_new_tokens: int, max_model_len: int, seed: int) -> None:
+    def __init__(
+        self, model_dir: Path, max_new_tokens: int, max_model_len: int, seed: int, engine: str
+    ) -> None:
         from transformers import AutoTokenizer
 
-        from rollout.vllm_engine import VLLMEngine
+        from rollout.engines import build_engine
 
-        cfg = RolloutConfig(max_model_len=max_model_len, max_new_tokens=max_new_tokens)
-        self.engine = VLLMEngine(str(model_dir), cfg, "float32", seed)
+        cfg = RolloutConfig(
+            engine=engine, max_model_len=max_model_len, max_new_tokens=max_new_tokens
+        )
+        self.engine = build_engine(str(model_dir), cfg, "float32", seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.max_new_tokens, self.seed = max_new_tokens, seed
 

@@ -84,8 +84,8 @@ def _rl(*args: str) -> subprocess.CompletedProcess:
 
 
 def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> None:
-    """`rl eval` reproduces the base's recorded held-out accuracy (vLLM against the base
-    builder's transformers greedy decoding), evaluates a run checkpoint, and `rl generate`
+    """`rl eval` reproduces the base's recorded held-out accuracy on either engine (vLLM and
+    the PyTorch one against the base builder's transformers greedy decoding), evaluates a run checkpoint, and `rl generate`
     prints samples with their log-probs."""
     test_file = next((tmp_path / "data").glob("addition-*/test.jsonl"))
     max_new = str(json.loads((run_dir / "config.json").read_text())["rollout"]["max_new_tokens"])
@@ -96,6 +96,19 @@ def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> 
     accuracy = float(re.search(r"greedy accuracy ([\d.]+)% over (\d+) prompts", base.stdout)[1])
     # Near-tied logits may decode differently in the two engines: within a prompt or two.
     assert abs(accuracy / 100 - base_info["greedy_accuracy"]) <= 0.01, base.stdout
+    on_torch = _rl(
+        "eval",
+        str(tmp_path / "base"),
+        "--data",
+        str(test_file),
+        "--max-new-tokens",
+        max_new,
+        "--engine",
+        "torch",
+    )
+    assert on_torch.returncode == 0, on_torch.stderr[-3000:]
+    torch_accuracy = float(re.search(r"greedy accuracy ([\d.]+)%", on_torch.stdout)[1])
+    assert abs(torch_accuracy / 100 - base_info["greedy_accuracy"]) <= 0.01, on_torch.stdout
 
     checkpoint = run_dir / "checkpoints" / "step_000003"
     trained = _rl(
