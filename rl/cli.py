@@ -13,6 +13,7 @@ from rl.checkpoint import CheckpointError
 from rl.memory_plan import PlanDoesNotFit
 from rl.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
 from rl.resume import find_resume_point
+from rollout.engines import ENGINES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--max-model-len", type=int, default=512)
         command.add_argument("--seed", type=int, default=0)
         command.add_argument(
-            "--engine", choices=("vllm", "torch"), default="vllm", help="rollout engine"
+            "--engine", choices=ENGINES.names(), default="vllm", help="rollout engine"
         )
     return parser
 

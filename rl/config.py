@@ -121,10 +121,11 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["vllm", "torch"] = Field(
+    engine: str = Field(
         "vllm",
-        description="Rollout engine: vllm, or torch (plain PyTorch over a KV cache, CPU, no "
-        "tensor parallelism), faster for tiny models on CPU where vLLM's per-step cost dominates.",
+        description="Rollout engine from rollout.engines.ENGINES: vllm, or torch (plain PyTorch "
+        "over a KV cache, CPU, no tensor parallelism), faster for tiny models on CPU where "
+        "vLLM's per-step cost dominates.",
     )
     num_workers: int = Field(1, description="RolloutWorker actors, one engine each.")
     tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism inside each worker.")

@@ -164,9 +164,11 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
         POLICY_LOSSES,
     )
     from rl.tasks import TASKS
+    from rollout.engines import ENGINES
 
     for key, value, registry in (
         ("data.task", cfg.data.task, TASKS),
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
         ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES),
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
         ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),

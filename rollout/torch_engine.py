@@ -57,6 +57,7 @@ class _Cohort:
 class _Update:
     plan: WeightSyncPlan
     channel: Channel
+    params: dict[str, torch.nn.Parameter]  # by HF name, each tied name included
     version: int | None = None  # set between the first bucket and finish
     base_rss: int = 0
     load_s: float = 0.0
@@ -178,7 +179,10 @@ class TorchEngine:
         plan = plan_from_json(plan_json)
         if plan.tp_size != 1:
             raise ValueError(f"transfer plan is for TP={plan.tp_size}, the torch engine runs TP=1")
-        self._update = _Update(plan, open_channel(plan, channel_spec, member=first_member))
+        # Tied weights appear under each of their names; copying into either updates both.
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        channel = open_channel(plan, channel_spec, member=first_member)
+        self._update = _Update(plan, channel, params)
 
     @torch.no_grad()
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
@@ -192,12 +196,10 @@ class TorchEngine:
             reset_peak_rss()
         update.version = version
         start = time.perf_counter()
-        # Tied weights appear under each of their names; copying into either updates both.
-        params = dict(self._model.named_parameters(remove_duplicate=False))
         for name, tensor in update.channel.read(bucket):
-            if name not in params:
+            if name not in update.params:
                 raise ValueError(f"weight update names {name!r}, which this model does not have")
-            params[name].copy_(tensor)
+            update.params[name].copy_(tensor)
         update.load_s += time.perf_counter() - start
         return update.plan.bucket_bytes_to_rank(bucket, 0)
 
@@ -321,6 +323,7 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """`logits` [B, V] with every token outside each row's nucleus at -inf: the smallest set of
     most likely tokens whose probability reaches top_p (the most likely always stays)."""
     ordered, order = logits.sort(dim=-1, descending=True)
-    before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # the mass of the tokens likelier than each
     ordered = ordered.masked_fill(before >= top_p, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)

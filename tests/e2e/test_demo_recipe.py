@@ -85,8 +85,8 @@ def _rl(*args: str) -> subprocess.CompletedProcess:
 
 def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> None:
     """`rl eval` reproduces the base's recorded held-out accuracy on either engine (vLLM and
-    the PyTorch one against the base builder's transformers greedy decoding), evaluates a run checkpoint, and `rl generate`
-    prints samples with their log-probs."""
+    the PyTorch one, against the base builder's transformers greedy decoding), evaluates a run
+    checkpoint, and `rl generate` prints samples with their log-probs."""
     test_file = next((tmp_path / "data").glob("addition-*/test.jsonl"))
     max_new = str(json.loads((run_dir / "config.json").read_text())["rollout"]["max_new_tokens"])
     base = _rl(
