@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from kernels.attention import ATTENTION
 from rl.config import RolloutConfig
 from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, take_peak_memory_bytes
 from rl.types import Sample, SamplingParams
@@ -80,7 +81,9 @@ class TorchEngine:
         # Ray sets OMP_NUM_THREADS from the actor's CPUs; torch would otherwise use every core.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self._cfg = cfg
-        self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self._model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation=ATTENTION
+        )
         self._model.eval().requires_grad_(False)
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._eos = torch.tensor(sorted(_eos_ids(self._model, self._tokenizer)))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
+from kernels.attention import ATTENTION
 from rl.algorithms import value_loss
 from rl.config import Config, TrainerConfig
 from rl.types import Batch
@@ -72,7 +73,9 @@ class ValueModel(nn.Module):
 def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig) -> ValueModel:
     """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
     like the policy (`trainer.fsdp.shard_with_fsdp`); `dtype` is the compute dtype."""
-    causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    causal_lm = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=ATTENTION
+    )
     layers = decoder_layers(causal_lm, f"critic checkpoint {path!r}")
     # The LM head is dropped: a critic predicts one number.
     model = ValueModel(causal_lm.get_decoder(), causal_lm.config.hidden_size)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import (
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kernels import logprobs, naive_logprobs
+from kernels.attention import ATTENTION
 from rl.config import ModelConfig, TrainerConfig
 from trainer.packing import IGNORE, ModelInput
 
@@ -174,7 +175,9 @@ def load_sharded(
     Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
     host memory once per rank).
     """
-    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.path, dtype=torch.float32, attn_implementation=ATTENTION
+    )
     layers = decoder_layers(model, f"model.path={cfg.path!r}")
     # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
     model.eval()
