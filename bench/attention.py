@@ -4,8 +4,8 @@
 
 Each case is one attention call with GQA (2 query heads per key head) and SDPA's boolean
 causal mask, timed forward + backward (training) or forward only (decoding, prefilling),
-both paths taking turns. Where the explicit product wins is where `kernels.attention` uses
-it (`MAX_EXPLICIT_KEYS`); the table shows the cut-over. Raw results go to
+both paths taking turns. The last column says which one `kernels.attention` runs there
+(`uses_explicit_product`): it should be the faster. Raw results go to
 .cache/bench/attention.json.
 """
 
@@ -22,7 +22,7 @@ from docs_section import write_section
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels.attention import MAX_EXPLICIT_KEYS, explicit_product
+from kernels.attention import explicit_product, uses_explicit_product
 
 RESULTS = Path(__file__).resolve().parents[1] / ".cache" / "bench" / "attention.json"
 
@@ -94,8 +94,10 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         case = Case(*r["case"])
-        half = r["dtype"] != "float32"
-        explicit = half and case.keys <= MAX_EXPLICIT_KEYS
+        dtype = getattr(torch, r["dtype"])
+        explicit = uses_explicit_product(  # the rule, asked of empty tensors of the case's shape
+            torch.empty(1, 1, case.queries, 0, dtype=dtype), torch.empty(1, 1, case.keys, 0)
+        )
         rows.append(
             f"| {case.name} | {r['dtype']} | [{case.batch}, {case.heads}, {case.queries}, "
             f"{case.keys}] | {'fwd + bwd' if case.backward else 'fwd'} | {r['sdpa']:.2f} "

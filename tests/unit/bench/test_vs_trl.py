@@ -90,3 +90,15 @@ def test_trl_gets_the_recipes_workload_and_compute_dtype(tmp_path):
     assert options["--group-size"] == str(cfg.algorithm.group_size)
     assert options["--max-new-tokens"] == str(cfg.rollout.max_new_tokens)
     assert options["--dtype"] == cfg.model.dtype == "bfloat16"
+
+
+def test_new_records_returns_each_complete_line_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    new_records = vs_trl.NewRecords(path)
+    assert new_records() == []  # the run has not written yet
+    path.write_text('{"step": 0}\n{"step": 1}\n{"st')
+    assert [r["step"] for r in new_records()] == [0, 1]
+    assert new_records() == []  # the half-written line waits
+    with path.open("a") as f:
+        f.write('ep": 2}\n')
+    assert new_records() == [{"step": 2}]

@@ -233,3 +233,20 @@ def test_renderer_rejects_an_empty_window(tmp_path: Path) -> None:
     trace.write(tmp_path / "trace.json")
     with pytest.raises(SystemExit):
         _renderer().main([str(tmp_path / "trace.json"), str(tmp_path / "trace.png")])
+
+
+def test_a_window_summary_reads_only_the_spans_that_reach_into_it(monkeypatch) -> None:
+    """Every step asks for its own window: spans of earlier steps are not walked again, and
+    the result is the same as over all spans."""
+    trace, clock = _trace()
+    for step in range(1000):
+        _record(trace, clock, "trainer", "train", 2.0 * step, 2.0 * step + 1.0)
+    _record(trace, clock, "rollout-0", "generate", 1995.0, 2003.0)
+    expected = summarise(trace.spans, trace.lanes, 1998.5, 2003.0)
+    seen = []
+    monkeypatch.setattr(
+        "rl.trace.summarise",
+        lambda spans, *args: seen.append(list(spans)) or summarise(spans, *args),
+    )
+    assert trace.summary(1998.5, 2003.0) == expected
+    assert [(s.phase, s.start) for s in seen[0]] == [("train", 1998.0), ("generate", 1995.0)]
