@@ -178,6 +178,13 @@ class TrainerConfig(Section):
         description="Pack each micro-batch's samples end to end into rows as wide as its longest "
         "one (attention kept within each sample, positions restarted) instead of padding them.",
     )
+    share_prompts: bool = Field(
+        False,
+        description="Compute the rows of a micro-batch that share a prompt (a GRPO group) as one "
+        "row: the prompt once, then each response, attending to the prompt and to itself. Pays "
+        "where prompts are long against responses; keep a group in one micro-batch (a "
+        "micro_batch_size that is a multiple of group_size, no micro_batch_tokens).",
+    )
     sharding: Literal["zero3", "zero2", "hybrid", "none"] = Field(
         "zero3",
         description="FSDP2 strategy: zero3 gathers each layer's parameters for forward and "

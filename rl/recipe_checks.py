@@ -44,6 +44,11 @@ def _check_trainer(cfg: Config, path: Path | str) -> None:
             f"{path}: trainer.micro_batch_tokens must be >= 0 (0 = trainer.micro_batch_size "
             f"sequences), got {trainer.micro_batch_tokens}"
         )
+    if trainer.packing and trainer.share_prompts:
+        raise ConfigError(
+            f"{path}: trainer.packing and trainer.share_prompts are two layouts of a "
+            "micro-batch (samples end to end, or one row per prompt); set one of them"
+        )
     if trainer.sharding != "hybrid":
         if trainer.shard_group_size:
             raise ConfigError(

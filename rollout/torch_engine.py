@@ -231,21 +231,41 @@ class TorchEngine:
     def _forward(self, cohort: _Cohort) -> torch.Tensor:
         """The next-token logits of each row of `cohort`: [B, vocab] float."""
         if cohort.cache is None:
-            ids, mask = _left_padded([s.prompt_ids + s.response_ids for s in cohort.samples])
-            positions = _positions(mask)
-            cohort.cache = DynamicCache(config=self._model.config)
-            cohort.next_positions = positions[:, -1] + 1
-        else:
-            ids = cohort.next_tokens[:, None]
-            mask = torch.cat([cohort.attention_mask, torch.ones_like(ids)], dim=1)
-            positions = cohort.next_positions[:, None]
-            cohort.next_positions = cohort.next_positions + 1
+            return self._prefill(cohort)
+        ids = cohort.next_tokens[:, None]
+        mask = torch.cat([cohort.attention_mask, torch.ones_like(ids)], dim=1)
+        positions = cohort.next_positions[:, None]
+        cohort.next_positions = cohort.next_positions + 1
         cohort.attention_mask = mask
+        return self._logits(ids, mask, positions, cohort.cache)
+
+    def _prefill(self, cohort: _Cohort) -> torch.Tensor:
+        """`_forward` of a new cohort: each distinct prompt (plus response so far) runs once,
+        and its cache rows are copied to every sample that holds it: a GRPO group's samples
+        share their prompt, so the prefill costs one row per group, not one per sample."""
+        rows: dict[tuple[int, ...], int] = {}  # distinct sequence -> its row in the prefill
+        index = [
+            rows.setdefault(tuple(s.prompt_ids + s.response_ids), len(rows)) for s in cohort.samples
+        ]
+        ids, mask = _left_padded([list(sequence) for sequence in rows])
+        positions = _positions(mask)
+        cohort.cache = DynamicCache(config=self._model.config)
+        logits = self._logits(ids, mask, positions, cohort.cache)
+        index = torch.tensor(index, dtype=torch.long)
+        cohort.cache.batch_select_indices(index)
+        cohort.attention_mask = mask[index]
+        cohort.next_positions = positions[index, -1] + 1
+        return logits[index]
+
+    def _logits(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """The model's next-token logits [B, vocab] (float) after `ids`, extending `cache`."""
         output = self._model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cohort.cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )

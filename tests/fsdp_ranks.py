@@ -44,16 +44,24 @@ def hf_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), entropy
 
 
-def make_batch(model, num_rows: int, seq_len: int, seed: int, min_len: int = 0) -> Batch:
+def make_batch(
+    model, num_rows: int, seq_len: int, seed: int, min_len: int = 0, group_size: int = 1
+) -> Batch:
     """Right-padded random sequences of min_len (default seq_len // 2) to seq_len tokens;
-    old/ref log-probs near the model's so that some clip."""
+    old/ref log-probs near the model's so that some clip. Consecutive groups of `group_size`
+    rows share their first row's prompt, as GRPO's groups do."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     lengths = torch.randint(min_len or seq_len // 2, seq_len + 1, (num_rows,), generator=gen)
     prompt_lens = torch.randint(2, seq_len // 2, (num_rows,), generator=gen)
     steps = torch.arange(seq_len)
     attention_mask = (steps < lengths[:, None]).long()
-    input_ids = torch.randint(1, vocab, (num_rows, seq_len), generator=gen) * attention_mask
+    input_ids = torch.randint(1, vocab, (num_rows, seq_len), generator=gen)
+    for row in range(num_rows):
+        first = row - row % group_size
+        prompt_lens[row] = prompt_lens[first]
+        input_ids[row, : prompt_lens[first]] = input_ids[first, : prompt_lens[first]]
+    input_ids *= attention_mask
     targets = steps[1:]
     loss_mask = ((targets >= prompt_lens[:, None]) & (targets < lengths[:, None])).float()
     batch = Batch(input_ids, attention_mask, loss_mask, loss_mask, loss_mask, loss_mask)

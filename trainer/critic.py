@@ -67,7 +67,7 @@ class ValueModel(nn.Module):
             position_ids=inputs.position_ids,
             use_cache=False,
         ).last_hidden_state
-        return inputs.unpack(self.head(hidden[:, :-1]).squeeze(-1).float())
+        return inputs.unpack(self.head(inputs.target_hidden(hidden)).squeeze(-1).float())
 
 
 def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig) -> ValueModel:

@@ -49,7 +49,7 @@ class LogProbModel(nn.Module):
             use_cache=False,
         )
         args = (
-            out.last_hidden_state[:, :-1],
+            inputs.target_hidden(out.last_hidden_state),
             self.model.get_output_embeddings().weight,
             inputs.targets,
         )

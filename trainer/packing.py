@@ -8,7 +8,8 @@ position is spent on padding but the ends of rows, and a row's attention costs n
 padded row's, since no row is wider than the padded layout.
 
 Either way the outputs come back in the padded [B, T-1] layout of the micro-batch (`unpack`),
-where the losses are computed: per-token results are the same whichever layout was run.
+where the losses are computed: per-token results are the same whichever layout was run. A
+third layout, rows that share a prompt computed as one, is `trainer.prompt_sharing`.
 """
 
 from __future__ import annotations
@@ -25,27 +26,38 @@ IGNORE = -100  # target id of positions that score no token of their own sample
 
 @dataclass
 class ModelInput:
-    """input_ids, position_ids [R, C]; attention_mask [R, C] or None (packed); targets
-    [R, C-1]; unpack_index [B, T-1] or None (padded: the layout already is [B, T-1])."""
+    """input_ids, position_ids [R, C]; attention_mask [R, C], a boolean [R, 1, C, C] (shared
+    prompts) or None (packed); targets [R, C-1], or [K] with hidden_index [K] (shared prompts:
+    target k is scored from the decoder's output at flat position hidden_index[k] of the
+    [R * C] positions); unpack_index [B, T-1] or None (padded: the layout already is [B, T-1])."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     targets: torch.Tensor
     unpack_index: torch.Tensor | None = None
+    hidden_index: torch.Tensor | None = None
+
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's output [R, C, d] at the positions that score `targets`, in their
+        shape: [R, C-1, d], or [K, d] with hidden_index."""
+        if self.hidden_index is None:
+            return hidden[:, :-1]
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.hidden_index)
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """[R, C-1] per-position values -> [B, T-1] per target of the padded micro-batch, 0 at
-        padding. Differentiable (a gather)."""
+        """Per-target values (the shape of `targets`) -> [B, T-1] per target of the padded
+        micro-batch, 0 at padding. Differentiable (a gather)."""
         if self.unpack_index is None:
             return values
         flat = torch.cat([values.reshape(-1), values.new_zeros(1)])  # the last entry: padding
         return flat[self.unpack_index]
 
     def to(self, device: torch.device) -> ModelInput:
+        fields = ("input_ids", "attention_mask", "position_ids", "targets", "unpack_index")
         moved = {
             name: None if (t := getattr(self, name)) is None else t.to(device)
-            for name in ("input_ids", "attention_mask", "position_ids", "targets", "unpack_index")
+            for name in (*fields, "hidden_index")
         }
         return ModelInput(**moved)
 

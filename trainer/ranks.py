@@ -26,6 +26,7 @@ from rl.types import Batch
 from trainer.fsdp import sharding_mesh
 from trainer.micro_batching import num_micro_batches, plan_micro_batches, rank_rows
 from trainer.packing import ModelInput, packed_input, padded_input
+from trainer.prompt_sharing import shared_prompt_input
 
 
 def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
@@ -110,7 +111,8 @@ def micro_batches(
     its own longest row, so right padding beyond it is never computed (with a token budget its
     rows are of similar lengths: little padding is left within). Its model input is those
     rows padded or, with `cfg.packing`, packed into rows as wide as the mini-batch's longest
-    sample (`trainer.packing`). Losses and gradients are sums over rows, so the order changes
+    sample (`trainer.packing`), or with `cfg.share_prompts` one row per prompt
+    (`trainer.prompt_sharing`). Losses and gradients are sums over rows, so the order changes
     nothing but rounding.
 
     A rank with fewer micro-batches than another gets dummies (the batch's first row with an
@@ -124,6 +126,8 @@ def micro_batches(
     width = max(lengths)  # of packed rows: the mini-batch's longest sample
 
     def build(micro: Batch) -> ModelInput:
+        if cfg.share_prompts:
+            return shared_prompt_input(micro)
         return packed_input(micro, width) if cfg.packing else padded_input(micro)
 
     mine = plan[rank]

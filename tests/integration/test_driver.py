@@ -152,24 +152,26 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
 def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
     shared_dir: Path, tmp_path: Path
 ) -> None:
-    """The time-to-accuracy bench's shape: the PyTorch rollout engine and one unsharded
-    trainer rank of 2 threads time-sliced on a pool of 2 CPUs."""
+    """The time-to-accuracy bench's shape: the PyTorch rollout engine on one CPU generating
+    a step ahead of one unsharded trainer rank on the other, whose groups share their prompt
+    rows."""
     cfg = _config(
         shared_dir,
         tmp_path,
         "torch-engine",
         rollout={"engine": "torch"},
-        trainer={"num_workers": 1, "sharding": "none", "num_threads": 2},
+        trainer={"num_workers": 1, "sharding": "none", "num_threads": 1, "share_prompts": True},
         algorithm={"recompute_old_logprobs": True},
-        scheduler={"num_devices": 2},
+        scheduler={"placement": "split", "max_staleness": 1},
     )
     final, records = _run(cfg)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
+    # Step 1's samples come from the weights the trainer starts with: in fp32 the engine's
+    # behaviour log-probs are the trainer's, computed over the shared prompt rows.
+    assert records[1]["off_policy/max_abs_logprob_gap"] < 1e-3
     for record in records[1:]:
-        # On-policy in fp32: the engine's behaviour log-probs are the trainer's, after each
-        # weight sync too.
-        assert record["off_policy/max_abs_logprob_gap"] < 1e-3
+        assert record["rollout/staleness_max"] <= 1
         assert math.isfinite(record["actor/pg_loss"])
     assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
     assert final["rollout/version"] == 2

@@ -1,6 +1,6 @@
 """Every way of sharding and batching the trainer trains the same model: ZeRO-3, ZeRO-2,
-hybrid sharding on 2x1 and 1x2 meshes and no sharding, padded or packed micro-batches of a fixed
-count or a token budget, on a real 2-rank gloo group."""
+hybrid sharding on 2x1 and 1x2 meshes and no sharding, padded, packed or shared-prompt
+micro-batches of a fixed count or a token budget, on a real 2-rank gloo group."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ STRATEGIES = {
     "packed": {"packing": True, "micro_batch_size": 5},
     "token_budget": {"micro_batch_tokens": 40},
     "token_budget_packed": {"micro_batch_tokens": 40, "packing": True},
+    # Rows 0-3 of a rank in one micro-batch: two pairs share their prompts.
+    "shared_prompts": {"share_prompts": True, "micro_batch_size": 4},
 }
 
 
@@ -87,9 +89,11 @@ def _strategies_main(
 def strategies(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Rank 0's results per strategy label."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    # Lengths vary 4x within a batch, so that packing puts several samples in a row.
+    # Lengths vary 4x within a batch, so that packing puts several samples in a row; pairs of
+    # rows share a prompt, as GRPO groups do.
     batches = [
-        make_batch(model, NUM_ROWS, SEQ_LEN, seed, SEQ_LEN // 4) for seed in range(NUM_STEPS)
+        make_batch(model, NUM_ROWS, SEQ_LEN, seed, SEQ_LEN // 4, group_size=2)
+        for seed in range(NUM_STEPS)
     ]
     out = tmp_path_factory.mktemp("strategies")
     ports = [(free_port(), free_port()) for _ in STRATEGIES]

@@ -99,13 +99,15 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "scheduler.num_devices=2",  # with scheduler.placement=split below
         "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
         "rollout.engine=sglang",
+        "trainer.share_prompts=true",  # with trainer.packing=true below
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
     needs_tp = override.startswith("scheduler.devices") or override == "rollout.engine=torch"
     tp = ["rollout.tensor_parallel_size=2"] if needs_tp else []
     split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
-    result = run_cli("train", DEMO, override, *tp, *split)
+    packing = ["trainer.packing=true"] if override.startswith("trainer.share_prompts") else []
+    result = run_cli("train", DEMO, override, *tp, *split, *packing)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
 

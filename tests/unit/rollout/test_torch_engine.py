@@ -99,3 +99,26 @@ def test_tensor_parallelism_is_refused(tiny_model_dir: Path) -> None:
     cfg = CFG.model_copy(update={"tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=1"):
         TorchEngine(str(tiny_model_dir), cfg, "float32", seed=0)
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_it_as_if_alone(
+    engine: TorchEngine, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts x 4 samples run a prefill of 2 rows; each sample's log-probs are still the
+    ones of its own whole sequence."""
+    prefill_rows = []
+    logits = engine._logits
+
+    def recording(ids, mask, positions, cache):
+        if cache.get_seq_length() == 0:
+            prefill_rows.append(ids.shape[0])
+        return logits(ids, mask, positions, cache)
+
+    monkeypatch.setattr(engine, "_logits", recording)
+    samples = fresh_samples([[5, 6, 7], [20, 21, 22, 23]], 4, [0, 1])
+    engine.generate(samples, SamplingParams(temperature=0.7, max_new_tokens=6, seed=1))
+    assert prefill_rows == [2]
+    assert len({tuple(s.response_ids) for s in samples}) > 2  # the samples did differ
+    for sample in samples:
+        expected = _expected(tiny_model_dir, sample, 0.7, 1.0)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)

@@ -1,4 +1,5 @@
-"""bench/attention.py: both paths are timed on a case, and the table names the one used."""
+"""bench/attention.py (named apart from kernels' test_attention.py): both paths are timed on
+a case, and the table names the one used."""
 
 from __future__ import annotations
 
