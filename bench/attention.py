@@ -40,6 +40,7 @@ class Case(NamedTuple):
 CASES = [
     Case("tiny train (1M, 128 rows)", 128, 4, 18, 18, 32, True),
     Case("25M train (32 rows)", 32, 8, 140, 140, 64, True),
+    Case("train, 192 tokens", 21, 8, 192, 192, 64, True),
     Case("train, 256 tokens", 16, 8, 256, 256, 64, True),
     Case("train, 512 tokens", 8, 8, 512, 512, 64, True),
     Case("25M decode (256 rows)", 256, 8, 1, 140, 64, False),

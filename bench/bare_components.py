@@ -40,6 +40,7 @@ import ray
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from kernels.attention import ATTENTION
 from rl.batching import build_batch
 from rl.config import Config
 from rl.data import load_examples
@@ -211,9 +212,12 @@ def bare_trainer(cfg: Config, batch: Batch, threads: int):
     """A plain single-process step: HF forward to full logits (under bf16 autocast when
     model.dtype is bfloat16), fp32 log-probs at the rollout temperature, PPO clip against the
     detached current log-probs, token mean over the whole batch, micro-batches of
-    trainer.micro_batch_size, grad clip, one AdamW step."""
+    trainer.micro_batch_size, grad clip, one AdamW step. It runs Tandem's attention
+    (kernels.attention) so that the ratio measures the framework, not the attention kernel."""
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.path, dtype=torch.float32, attn_implementation=ATTENTION
+    ).eval()
     t, algo = cfg.trainer, cfg.algorithm
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay

@@ -2,8 +2,8 @@
 
 PyTorch's CPU flash-attention kernel is slow in half precision on short sequences: forward
 plus backward of a [128 rows x 4 heads x 18 tokens] bf16 batch takes 7x as long as an
-explicit softmax(QK^T)V, 1.2x at 256 tokens, and past that the flash kernel's tiling wins
-(0.5x at 512; bench/attention.py). Tiny models on CPU live at those lengths, in training and
+explicit softmax(QK^T)V, 1.6-1.9x at 140 tokens; from about 256 tokens on the flash kernel's
+tiling wins (0.4x at 512; bench/attention.py). Tiny models on CPU live at those lengths, in training and
 in decoding, so `attention` computes the explicit product there and calls SDPA everywhere
 else (fp32, GPUs, long keys). It is registered with transformers as `ATTENTION`, with SDPA's
 boolean masks, so packed rows keep their per-sample masks either way.
@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "tandem"  # the `attn_implementation` to load models with
 # The key length up to which the explicit product beats the flash kernel (bench/attention.py).
-MAX_EXPLICIT_KEYS = 256
+MAX_EXPLICIT_KEYS = 192
 
 
 def uses_explicit_product(query: torch.Tensor, key: torch.Tensor) -> bool:

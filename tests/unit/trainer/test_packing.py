@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.config import AlgorithmConfig, TrainerConfig
-from rl.loss import loss_weights, policy_objective
+from rl.config import TrainerConfig
 from rl.types import Batch
+from tests.unit.trainer.layouts import assert_same_loss_and_gradients
 from trainer.fsdp import LogProbModel
 from trainer.packing import IGNORE, packed_input, padded_input
 
@@ -69,16 +69,4 @@ def test_without_the_restarted_positions_tokens_would_attend_across_samples(
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_packed_and_padded_give_the_same_loss_and_gradients(model: LogProbModel, agg: str) -> None:
-    cfg, batch = AlgorithmConfig(loss_agg=agg, entropy_coef=0.01), _batch()
-    denominator = loss_weights(cfg, batch.loss_mask, 20)[1].item()
-    results = []
-    for build in (padded_input, packed_input):
-        model.zero_grad(set_to_none=True)
-        logprob, entropy = model(build(batch), 0.8)
-        loss, _ = policy_objective(cfg, logprob, entropy, batch, 20, denominator)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (padded_loss, padded_grads), (packed_loss, packed_grads) = results
-    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-7)
-    for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_gradients(model, _batch(), packed_input, agg)

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kernels.attention import ATTENTION
-from rl.config import AlgorithmConfig, TrainerConfig
-from rl.loss import loss_weights, policy_objective
+from rl.config import TrainerConfig
 from rl.types import Batch
+from tests.unit.trainer.layouts import assert_same_loss_and_gradients
 from trainer.fsdp import LogProbModel
 from trainer.packing import padded_input
 from trainer.prompt_sharing import prompt_groups, shared_prompt_input
@@ -92,19 +92,7 @@ def test_responses_that_saw_each_other_would_score_differently(model: LogProbMod
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_shared_and_padded_give_the_same_loss_and_gradients(model: LogProbModel, agg: str) -> None:
-    cfg, batch = AlgorithmConfig(loss_agg=agg, entropy_coef=0.01), _batch()
-    denominator = loss_weights(cfg, batch.loss_mask, 16)[1].item()
-    results = []
-    for build in (padded_input, shared_prompt_input):
-        model.zero_grad(set_to_none=True)
-        logprob, entropy = model(build(batch), 0.8)
-        loss, _ = policy_objective(cfg, logprob, entropy, batch, 16, denominator)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (padded_loss, padded_grads), (shared_loss, shared_grads) = results
-    torch.testing.assert_close(shared_loss, padded_loss, rtol=1e-5, atol=1e-7)
-    for name, grad in padded_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_gradients(model, _batch(), shared_prompt_input, agg)
 
 
 def test_the_trainer_setting_gives_each_micro_batch_the_shared_layout() -> None:
