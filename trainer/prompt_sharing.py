@@ -87,8 +87,10 @@ def shared_prompt_input(micro: Batch) -> ModelInput:
 
 def _attention_mask(segments: torch.Tensor) -> torch.Tensor:
     """[R, 1, C, C] boolean, True where query q may attend to key k: causal, and k in the
-    prompt or in q's own response. Padding attends to itself alone: a query that sees no key
-    would make SDPA return NaN, which the backward pass would spread."""
+    prompt or in q's own response. Every position also sees itself, so that no query of the
+    padding is left without a key: SDPA would return NaN there, and the backward pass would
+    spread it.
+    """
     query, key = segments[:, :, None], segments[:, None, :]
     width = segments.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
