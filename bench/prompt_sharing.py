@@ -17,22 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-import ray
 import torch
-from bare_components import timed_rounds
 from docs_section import write_section
-from trainer_batching import side, spread_batch
-from transformers import AutoConfig, AutoTokenizer
+from trainer_batching import recipe_batch, run_sides
 
 from rl.config import TrainerConfig
-from rl.data import load_examples
-from rl.prompts import encode_prompts
-from rl.recipe import load_config
 from rl.types import Batch
-from trainer.base_model import ensure_base
 from trainer.ranks import micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,27 +67,10 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = parser.parse_args()
-    cfg = load_config(RECIPE, ["run.name=bench-prompt-sharing", *args.overrides])
-    os.chdir(REPO)  # the recipe's paths are relative to the repo root
-    ensure_base(cfg)
-    os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.num_threads)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    examples = load_examples(cfg.data, "train").dataset
-    prompts = encode_prompts(tokenizer, examples[: cfg.run.prompts_per_step]["prompt"])
-    vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
-    batch = spread_batch(cfg, prompts, tokenizer.pad_token_id, vocab)
+    cfg, batch = recipe_batch(RECIPE, "bench-prompt-sharing", args.overrides)
     num_ranks = cfg.trainer.num_workers
-    ray.init(
-        address="local",
-        num_cpus=len(SIDES) * num_ranks,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        sides = {name: side(cfg, batch, share_prompts=share) for name, share in SIDES.items()}
-        runs = timed_rounds({name: step for name, (_, step, _) in sides.items()}, args.rounds)
-    finally:
-        ray.shutdown()
+    trainers = {name: {"share_prompts": share} for name, share in SIDES.items()}
+    runs, _ = run_sides(cfg, batch, trainers, args.rounds)
     results = {
         "config": {"rounds": args.rounds, "overrides": args.overrides},
         "real_tokens": int(batch.attention_mask.sum()),

@@ -80,6 +80,42 @@ def side(cfg: Config, batch: Batch, **trainer: object):
     return group, step, inside
 
 
+def recipe_batch(recipe: Path, run_name: str, overrides: list[str]) -> tuple[Config, Batch]:
+    """`recipe` with `overrides` (its base built if missing) and `spread_batch` over its first
+    step's prompts; the trainer ranks to come get the recipe's threads."""
+    cfg = load_config(recipe, [f"run.name={run_name}", *overrides])
+    os.chdir(REPO)  # the recipe's paths are relative to the repo root
+    ensure_base(cfg)
+    os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.num_threads)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    examples = load_examples(cfg.data, "train").dataset
+    prompts = encode_prompts(tokenizer, examples[: cfg.run.prompts_per_step]["prompt"])
+    vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
+    return cfg, spread_batch(cfg, prompts, tokenizer.pad_token_id, vocab)
+
+
+def run_sides(
+    cfg: Config, batch: Batch, trainers: dict[str, dict], rounds: int
+) -> tuple[dict[str, dict], dict[str, float]]:
+    """A TrainGroup per side (its trainer.* overrides in `trainers`), all alive at once and
+    taking turns on `batch` (`timed_rounds`); returns the runs and each side's median tokens/s
+    inside its ranks (the TrainGroup's Ray overhead left out)."""
+    # Every side's ranks exist at once: a logical CPU for each.
+    ray.init(
+        address="local",
+        num_cpus=len(trainers) * cfg.trainer.num_workers,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        sides = {name: side(cfg, batch, **overrides) for name, overrides in trainers.items()}
+        runs = timed_rounds({name: step for name, (_, step, _) in sides.items()}, rounds)
+    finally:
+        ray.shutdown()
+    inside = {name: statistics.median(rates[1:]) for name, (_, _, rates) in sides.items()}
+    return runs, inside
+
+
 # side -> (its trainer.* overrides given the token budget, how it cuts micro-batches)
 SIDES = {
     "padded": (
@@ -140,31 +176,10 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = parser.parse_args()
-    cfg = load_config(RECIPE, ["run.name=bench-trainer-batching", *args.overrides])
-    os.chdir(REPO)  # the recipe's paths are relative to the repo root
-    ensure_base(cfg)
-    os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.num_threads)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    examples = load_examples(cfg.data, "train").dataset
-    prompts = encode_prompts(tokenizer, examples[: cfg.run.prompts_per_step]["prompt"])
-    vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
-    batch = spread_batch(cfg, prompts, tokenizer.pad_token_id, vocab)
+    cfg, batch = recipe_batch(RECIPE, "bench-trainer-batching", args.overrides)
     num_ranks = cfg.trainer.num_workers
-    # Every side's ranks exist at once (they take turns): a logical CPU for each.
-    ray.init(
-        address="local",
-        num_cpus=len(SIDES) * num_ranks,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        sides = {
-            name: side(cfg, batch, **overrides(args.tokens))
-            for name, (overrides, _) in SIDES.items()
-        }
-        runs = timed_rounds({name: step for name, (_, step, _) in sides.items()}, args.rounds)
-    finally:
-        ray.shutdown()
+    trainers = {name: overrides(args.tokens) for name, (overrides, _) in SIDES.items()}
+    runs, inside = run_sides(cfg, batch, trainers, args.rounds)
     lengths = batch.attention_mask.sum(dim=1)
     results = {
         "config": {
@@ -184,9 +199,7 @@ def main() -> None:
             for name, (overrides, _) in SIDES.items()
         },
         # the ranks' own tokens/s (TrainGroup's Ray overhead left out)
-        "inside_rank_tokens_per_s": {
-            name: statistics.median(inside[1:]) for name, (_, _, inside) in sides.items()
-        },
+        "inside_rank_tokens_per_s": inside,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))

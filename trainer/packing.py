@@ -14,7 +14,7 @@ third layout, rows that share a prompt computed as one, is `trainer.prompt_shari
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -54,10 +54,9 @@ class ModelInput:
         return flat[self.unpack_index]
 
     def to(self, device: torch.device) -> ModelInput:
-        fields = ("input_ids", "attention_mask", "position_ids", "targets", "unpack_index")
         moved = {
-            name: None if (t := getattr(self, name)) is None else t.to(device)
-            for name in (*fields, "hidden_index")
+            f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
+            for f in fields(self)
         }
         return ModelInput(**moved)
 
