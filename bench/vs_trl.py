@@ -178,12 +178,13 @@ def _mean(values: list[float]) -> float:
 
 def tandem_steps(records: list[dict]) -> list[dict]:
     """Tandem's metrics.jsonl records as the steps both systems are summarised from; a
-    step's seconds leave out the evaluation it ran, as TRL's do."""
+    step's seconds leave out the evaluation it ran, as TRL's do. A step that generated
+    nothing in its own window (the last of a run at max_staleness 1) has no generate time."""
     return [
         {
             "step": r["step"],
             "seconds": r["time/step_s"] - r.get("perf/busy_s_eval", 0.0),
-            "generate_seconds": r["perf/busy_s_generate"],
+            "generate_seconds": r.get("perf/busy_s_generate", 0.0),
             "generated_tokens": r["rollout/tokens"],
             "train_seconds": r["timing/train_step_s"],
             "trained_tokens": r["timing/train_tokens_per_s"] * r["timing/train_step_s"],

@@ -185,6 +185,14 @@ class TrainerConfig(Section):
         "where prompts are long against responses; keep a group in one micro-batch (a "
         "micro_batch_size that is a multiple of group_size, no micro_batch_tokens).",
     )
+    skip_zero_advantage_rows: bool = Field(
+        False,
+        description="Leave out of forward and backward the rows whose advantage is 0 on every "
+        "token (GRPO groups whose samples all scored the same): their loss and gradient are "
+        "exactly 0, and the loss keeps the whole batch's denominator, so the update is the "
+        "same. Needs a loss without a KL or entropy term (algorithm.kl_coef = 0 or "
+        "kl_in_reward, algorithm.entropy_coef = 0); actor/* metrics then cover the rows trained.",
+    )
     sharding: Literal["zero3", "zero2", "hybrid", "none"] = Field(
         "zero3",
         description="FSDP2 strategy: zero3 gathers each layer's parameters for forward and "

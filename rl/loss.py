@@ -26,6 +26,26 @@ def loss_weights(
     return LOSS_AGGREGATIONS.get(cfg.loss_agg)(loss_mask, max_response_len)
 
 
+def kl_in_loss(cfg: AlgorithmConfig) -> bool:
+    """Whether the loss has a KL-to-reference term (rather than the reward, or none)."""
+    return cfg.kl_coef > 0 and not cfg.kl_in_reward
+
+
+def zero_advantage_rows_are_inert(cfg: AlgorithmConfig) -> bool:
+    """Whether a row whose advantage is 0 on every token has a loss and gradient of exactly 0.
+
+    Every policy loss is the advantage times a finite function of the ratio (a test pins this
+    over the registry), and an off-policy weight only scales it; a KL or entropy term does not.
+    """
+    return not kl_in_loss(cfg) and cfg.entropy_coef == 0
+
+
+def rows_with_advantage(batch: Batch) -> torch.Tensor:
+    """Indices [R] of the rows whose advantage is non-zero on some loss-mask token."""
+    moving = (batch.advantages != 0) & (batch.loss_mask > 0)
+    return moving.any(dim=1).nonzero().flatten()
+
+
 def policy_objective(
     cfg: AlgorithmConfig,
     logprobs: torch.Tensor,
@@ -66,7 +86,7 @@ def policy_objective(
     }
     if is_weights is not None:
         metrics["is_weight"] = masked_mean(is_weights, mask)
-    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+    if kl_in_loss(cfg):
         assert batch.ref_logprobs is not None, "a KL loss term needs reference log-probs"
         kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logprobs, batch.ref_logprobs)
         token_loss = token_loss + cfg.kl_coef * kl

@@ -38,6 +38,8 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
 
 
 def _check_trainer(cfg: Config, path: Path | str) -> None:
+    from rl.loss import zero_advantage_rows_are_inert  # torch: not at import
+
     trainer = cfg.trainer
     if trainer.micro_batch_tokens < 0:
         raise ConfigError(
@@ -48,6 +50,14 @@ def _check_trainer(cfg: Config, path: Path | str) -> None:
         raise ConfigError(
             f"{path}: trainer.packing and trainer.share_prompts are two layouts of a "
             "micro-batch (samples end to end, or one row per prompt); set one of them"
+        )
+    if trainer.skip_zero_advantage_rows and not zero_advantage_rows_are_inert(cfg.algorithm):
+        raise ConfigError(
+            f"{path}: trainer.skip_zero_advantage_rows leaves out rows whose loss is exactly 0, "
+            f"but with algorithm.kl_coef={cfg.algorithm.kl_coef} (kl_in_reward="
+            f"{cfg.algorithm.kl_in_reward}) and algorithm.entropy_coef="
+            f"{cfg.algorithm.entropy_coef} every row has a gradient; set "
+            "algorithm.kl_coef=0 (or kl_in_reward=true) and algorithm.entropy_coef=0, or drop it"
         )
     if trainer.sharding != "hybrid":
         if trainer.shard_group_size:

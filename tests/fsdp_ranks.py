@@ -19,13 +19,14 @@ from trainer.policy import PolicyTrainer
 TEMPERATURE = 0.8
 
 
-def trainer_config(model_dir: Path, **trainer: object) -> Config:
+def trainer_config(model_dir: Path, algorithm: dict | None = None, **trainer: object) -> Config:
+    """A 2-rank trainer with KL and entropy terms in the loss, unless `algorithm` says else."""
     return Config.model_validate(
         {
             "model": {"path": str(model_dir)},
             "rollout": {"temperature": TEMPERATURE},
             "trainer": {"num_workers": 2, "logprob_chunk_size": 7, **trainer},
-            "algorithm": {"kl_coef": 0.1, "entropy_coef": 0.01},
+            "algorithm": {"kl_coef": 0.1, "entropy_coef": 0.01, **(algorithm or {})},
         }
     )
 

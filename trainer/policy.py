@@ -16,8 +16,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
-from rl.config import AlgorithmConfig, Config
-from rl.loss import loss_weights, policy_objective
+from rl.config import Config
+from rl.loss import (
+    kl_in_loss,
+    loss_weights,
+    policy_objective,
+    rows_with_advantage,
+    zero_advantage_rows_are_inert,
+)
 from rl.types import Batch
 from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
 from trainer.checkpoint import load_training_state, save_training_state
@@ -42,8 +48,12 @@ from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref", "is_weight")
 
 
-def _kl_in_loss(cfg: AlgorithmConfig) -> bool:
-    return cfg.kl_coef > 0 and not cfg.kl_in_reward
+def _rows_to_train(batch: Batch) -> torch.Tensor:
+    """Indices of the rows with a gradient (`trainer.skip_zero_advantage_rows`), or the first
+    row when none has one: its zero gradients still step AdamW, whose moments then decay and
+    move the parameters as after the full batch (a missing gradient would skip them)."""
+    rows = rows_with_advantage(batch)
+    return rows if len(rows) else torch.zeros(1, dtype=torch.long)
 
 
 class PolicyTrainer:
@@ -58,6 +68,9 @@ class PolicyTrainer:
                 "temperature > 0"
             )
         check_batching(cfg.trainer)
+        assert not cfg.trainer.skip_zero_advantage_rows or zero_advantage_rows_are_inert(
+            cfg.algorithm
+        ), "recipe checks refuse skip_zero_advantage_rows with a KL or entropy loss term"
         self.cfg = cfg
         self._forward_correction = cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
         self.rank, self.world_size = rank, world_size
@@ -114,14 +127,21 @@ class PolicyTrainer:
         scaled by world_size before backward (this works for gloo and nccl alike, whereas a
         custom divide factor needs PREMUL_SUM, which gloo lacks).
 
+        With trainer.skip_zero_advantage_rows, only the rows with a non-zero advantage run
+        (the loss keeps the whole mini-batch's denominator, so the gradient is the same).
+
         Returns global metrics: `loss` (the objective), token-weighted means of the policy
-        metrics, and `tokens` (the loss-mask count they are weighted by).
+        metrics over the rows run, `tokens` (the loss-mask count they are weighted by),
+        `trained_tokens` (prompt and response tokens run) and `skipped_rows`.
         """
         algo = self.cfg.algorithm
         max_len = self.cfg.rollout.max_new_tokens
         # Every rank holds the whole mini-batch: the global denominator needs no collective.
         denominator = loss_weights(algo, batch.loss_mask, max_len)[1].item()
         denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
+        num_rows = batch.num_sequences
+        if self.cfg.trainer.skip_zero_advantage_rows:
+            batch = batch.select(_rows_to_train(batch))
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
         temperature = self.cfg.rollout.temperature
         for micro, inputs, _ in self._micro_batches(batch):
@@ -139,11 +159,16 @@ class PolicyTrainer:
         dist.all_reduce(sums)
         tokens = sums[-1].clamp(min=1.0)
         out = {name: (sums[i] / tokens).item() for i, name in enumerate(_TOKEN_METRICS)}
-        if not _kl_in_loss(algo):
+        if not kl_in_loss(algo):
             del out["kl_ref"]
         if batch.is_weights is None and self._forward_correction is None:
             del out["is_weight"]
-        out.update(loss=sums[-2].item(), tokens=sums[-1].item())
+        out.update(
+            loss=sums[-2].item(),
+            tokens=sums[-1].item(),
+            trained_tokens=batch.attention_mask.sum().item(),
+            skipped_rows=float(num_rows - batch.num_sequences),
+        )
         return out
 
     def _optimizer_step(self, loss: float) -> StepResult:
@@ -158,7 +183,9 @@ class PolicyTrainer:
 
         Mini-batches are contiguous row ranges of the batch, in order. An optimizer step whose
         loss or gradient norm is NaN/inf is skipped (nothing changes but the zeroed grads).
-        Returns global metrics: actor/nonfinite_skipped is the number of skipped steps; the
+        Returns global metrics: actor/nonfinite_skipped is the number of skipped steps
+        (actor/skipped_row_frac, with trainer.skip_zero_advantage_rows, the share of rows left
+        out of forward and backward); the
         other actor/* describe the steps taken only (a skipped step's metrics are typically
         NaN and describe no update): token-weighted means over their tokens, actor/loss and
         actor/grad_norm means over them, all NaN when every step was skipped; actor/lr is the
@@ -198,7 +225,12 @@ class PolicyTrainer:
         )
         if taken == 0:  # no update to describe (MetricsLogger writes NaN as null)
             out = dict.fromkeys(out, math.nan)
-        real_tokens = batch.attention_mask.sum().item() * self.cfg.trainer.num_epochs
+        if self.cfg.trainer.skip_zero_advantage_rows:
+            skipped = sum(metrics["skipped_rows"] for metrics in step_metrics)
+            out["actor/skipped_row_frac"] = skipped / (
+                batch.num_sequences * self.cfg.trainer.num_epochs
+            )
+        real_tokens = sum(metrics["trained_tokens"] for metrics in step_metrics)
         out.update(
             {
                 "actor/nonfinite_skipped": float(len(step_metrics) - taken),

@@ -154,13 +154,19 @@ def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
 ) -> None:
     """The time-to-accuracy bench's shape: the PyTorch rollout engine on one CPU generating
     a step ahead of one unsharded trainer rank on the other, whose groups share their prompt
-    rows."""
+    rows and leave out the rows of zero advantage."""
     cfg = _config(
         shared_dir,
         tmp_path,
         "torch-engine",
         rollout={"engine": "torch"},
-        trainer={"num_workers": 1, "sharding": "none", "num_threads": 1, "share_prompts": True},
+        trainer={
+            "num_workers": 1,
+            "sharding": "none",
+            "num_threads": 1,
+            "share_prompts": True,
+            "skip_zero_advantage_rows": True,
+        },
         algorithm={"recompute_old_logprobs": True},
         scheduler={"placement": "split", "max_staleness": 1},
     )
@@ -173,6 +179,8 @@ def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
     for record in records[1:]:
         assert record["rollout/staleness_max"] <= 1
         assert math.isfinite(record["actor/pg_loss"])
+        # Groups that all scored alike are left out; some rows are always trained.
+        assert 0 <= record["actor/skipped_row_frac"] < 1
     assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
     assert final["rollout/version"] == 2
     assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0

@@ -1,6 +1,7 @@
 """Every way of sharding and batching the trainer trains the same model: ZeRO-3, ZeRO-2,
 hybrid sharding on 2x1 and 1x2 meshes and no sharding, padded, packed or shared-prompt
-micro-batches of a fixed count or a token budget, on a real 2-rank gloo group."""
+micro-batches of a fixed count or a token budget, with or without the rows of zero advantage,
+on a real 2-rank gloo group."""
 
 from __future__ import annotations
 
@@ -34,7 +35,19 @@ STRATEGIES = {
     "token_budget_packed": {"micro_batch_tokens": 40, "packing": True},
     # Rows 0-3 of a rank in one micro-batch: two pairs share their prompts.
     "shared_prompts": {"share_prompts": True, "micro_batch_size": 4},
+    # Rows of zero advantage have a gradient of 0 only in a loss without KL or entropy terms.
+    "one_batch_policy_loss_only": {"micro_batch_size": NUM_ROWS},
+    "skip_zero_advantage_rows": {"skip_zero_advantage_rows": True},
 }
+POLICY_LOSS_ONLY = {"kl_coef": 0.0, "entropy_coef": 0.0}
+# label -> algorithm.* overrides, and the label each strategy must match.
+ALGORITHMS = dict.fromkeys(
+    ["one_batch_policy_loss_only", "skip_zero_advantage_rows"], POLICY_LOSS_ONLY
+)
+REFERENCES = {"skip_zero_advantage_rows": "one_batch_policy_loss_only"}
+# Rows whose advantage is 0 (their GRPO group scored alike), by batch: all of the last one, so
+# that its step moves the parameters by AdamW's momentum alone.
+ZERO_ADVANTAGE_ROWS = [[0, 1, 6, 7], [], list(range(NUM_ROWS))]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,7 +74,8 @@ def _strategies_main(
     mini-batch's gradients, NUM_STEPS train steps, the parameters and a weight sync."""
     results = {}
     for (label, overrides), (port, resume_port) in zip(STRATEGIES.items(), ports, strict=True):
-        cfg = trainer_config(model_dir, **{"lr": 1e-3, "micro_batch_size": 2, **overrides})
+        trainer_overrides = {"lr": 1e-3, "micro_batch_size": 2, **overrides}
+        cfg = trainer_config(model_dir, ALGORITHMS.get(label), **trainer_overrides)
         trainer = PolicyTrainer(cfg, rank, 2, "127.0.0.1", port)
         result = {"logprobs": trainer.compute_logprobs(batches[0]), **_layout(trainer, batches[0])}
         result["metrics"] = trainer.accumulate_gradients(batches[0])
@@ -86,15 +100,24 @@ def _strategies_main(
 
 
 @pytest.fixture(scope="module")
-def strategies(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Rank 0's results per strategy label."""
+def batches(tiny_model_dir: Path) -> list[Batch]:
+    """One per train step. Lengths vary 4x within a batch, so that packing puts several
+    samples in a row; pairs of rows share a prompt, as GRPO groups do."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    # Lengths vary 4x within a batch, so that packing puts several samples in a row; pairs of
-    # rows share a prompt, as GRPO groups do.
-    batches = [
+    out = [
         make_batch(model, NUM_ROWS, SEQ_LEN, seed, SEQ_LEN // 4, group_size=2)
         for seed in range(NUM_STEPS)
     ]
+    for batch, rows in zip(out, ZERO_ADVANTAGE_ROWS, strict=True):
+        batch.advantages[rows] = 0.0
+    return out
+
+
+@pytest.fixture(scope="module")
+def strategies(
+    tiny_model_dir: Path, batches: list[Batch], tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    """Rank 0's results per strategy label."""
     out = tmp_path_factory.mktemp("strategies")
     ports = [(free_port(), free_port()) for _ in STRATEGIES]
     mp.spawn(_strategies_main, args=(tiny_model_dir, ports, batches, out), nprocs=2)
@@ -105,11 +128,13 @@ def strategies(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return results
 
 
-@pytest.mark.parametrize("label", [label for label in STRATEGIES if label != "one_batch"])
+@pytest.mark.parametrize(
+    "label", [label for label in STRATEGIES if label not in {"one_batch", *REFERENCES.values()}]
+)
 def test_the_strategy_gives_the_logprobs_gradients_and_parameters_of_one_batch(
     strategies: dict, label: str
 ) -> None:
-    reference, result = strategies["one_batch"], strategies[label]
+    reference, result = strategies[REFERENCES.get(label, "one_batch")], strategies[label]
     torch.testing.assert_close(result["logprobs"], reference["logprobs"], rtol=1e-5, atol=1e-6)
     assert result["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
     for name, grad in reference["grads"].items():
@@ -122,6 +147,28 @@ def test_the_strategy_gives_the_logprobs_gradients_and_parameters_of_one_batch(
     for name, param in reference["params"].items():
         torch.testing.assert_close(result["params"][name], param, rtol=1e-4, atol=1e-5)
     assert result["checksum"] == pytest.approx(reference["checksum"], rel=1e-6)
+
+
+def test_skipping_zero_advantage_rows_leaves_them_out_of_forward_and_backward(
+    strategies: dict, batches: list[Batch]
+) -> None:
+    """The equality above is of steps that computed fewer rows: those zeroed, and those with
+    nothing to train (an empty loss mask). An all-zero batch still runs one row, for the
+    gradients AdamW's step needs."""
+    result = strategies["skip_zero_advantage_rows"]
+    assert result["metrics"]["skipped_rows"] == len(ZERO_ADVANTAGE_ROWS[0])
+    assert (
+        result["metrics"]["trained_tokens"]
+        < strategies["one_batch_policy_loss_only"]["metrics"]["trained_tokens"]
+    )
+    fractions = [step["actor/skipped_row_frac"] for step in result["steps"]]
+    empty = [(batch.loss_mask.sum(dim=1) == 0).nonzero().flatten().tolist() for batch in batches]
+    expected = [
+        len(set(z) | set(e)) / NUM_ROWS for z, e in zip(ZERO_ADVANTAGE_ROWS, empty, strict=True)
+    ]
+    expected[-1] = (NUM_ROWS - 1) / NUM_ROWS
+    assert fractions == pytest.approx(expected)
+    assert expected[1] < 1 and expected[0] >= 0.4
 
 
 def test_each_strategy_shards_over_its_own_mesh(strategies: dict) -> None:

@@ -34,6 +34,14 @@ def test_tandem_steps_leave_out_evaluations_and_the_step_zero_record():
     assert steps[0]["trained_tokens"] == pytest.approx(500.0)
 
 
+def test_a_step_that_generated_nothing_in_its_window_has_no_generate_time():
+    """The last step of a run at max_staleness 1 trains on samples generated a step before."""
+    last = _record(2)
+    del last["perf/busy_s_generate"]
+    steps = vs_trl.tandem_steps([_record(1), last])
+    assert [s["generate_seconds"] for s in steps] == [4.0, 0.0]
+
+
 def test_throughput_summary_skips_warmup_and_divides_totals():
     steps = [
         {"step": 1, "seconds": 99.0, "generated_tokens": 1, "generate_seconds": 1.0,

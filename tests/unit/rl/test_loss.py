@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.algorithms import POLICY_LOSSES
 from rl.config import AlgorithmConfig
-from rl.loss import loss_weights, policy_objective
+from rl.loss import (
+    loss_weights,
+    policy_objective,
+    rows_with_advantage,
+    zero_advantage_rows_are_inert,
+)
 from rl.types import Batch
 
 AGGREGATIONS = [
@@ -90,3 +96,54 @@ def test_kl_is_a_loss_term_only_when_not_in_the_reward() -> None:
     assert metrics_with["kl_ref"] > 0
     assert with_kl.item() > without.item()
     assert in_reward.item() == pytest.approx(without.item())
+
+
+@pytest.mark.parametrize("dual_clip", [0.0, 3.0])
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES.names()))
+def test_a_row_of_zero_advantage_has_no_loss_or_gradient_under_every_policy_loss(
+    loss: str, dual_clip: float
+) -> None:
+    """What trainer.skip_zero_advantage_rows relies on, for every registered policy loss and
+    with importance weights: dropping such a row changes neither loss nor gradient."""
+    cfg = AlgorithmConfig(policy_loss=loss, dual_clip=dual_clip, clip_low=0.2, clip_high=0.28)
+    assert zero_advantage_rows_are_inert(cfg)
+    batch = _batch(4, MAX_LEN)
+    batch.advantages[1:3] = 0.0
+    batch.is_weights = torch.rand(4, MAX_LEN) + 0.5
+    logprobs = (batch.old_logprobs + 3 * torch.randn(4, MAX_LEN)).requires_grad_()  # some clip
+    entropy = torch.rand(4, MAX_LEN)
+    loss_value, _ = policy_objective(cfg, logprobs, entropy, batch, MAX_LEN, 7.0)
+    loss_value.backward()
+    assert torch.equal(logprobs.grad[1:3], torch.zeros(2, MAX_LEN))
+    assert logprobs.grad[0].abs().sum() > 0
+    kept = torch.tensor([0, 3])
+    kept_logprobs = logprobs.detach()[kept]
+    kept_loss, _ = policy_objective(
+        cfg, kept_logprobs, entropy[kept], batch.select(kept), MAX_LEN, 7.0
+    )
+    torch.testing.assert_close(kept_loss, loss_value.detach())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "inert"),
+    [
+        ({}, True),
+        ({"kl_coef": 0.1, "kl_in_reward": True}, True),
+        ({"kl_coef": 0.1}, False),
+        ({"entropy_coef": 0.01}, False),
+    ],
+)
+def test_zero_advantage_rows_are_inert_only_without_kl_or_entropy_loss_terms(
+    overrides: dict, inert: bool
+) -> None:
+    assert zero_advantage_rows_are_inert(AlgorithmConfig(**overrides)) is inert
+
+
+def test_rows_with_advantage_ignores_advantages_outside_the_loss_mask() -> None:
+    batch = _batch(4, MAX_LEN)
+    batch.loss_mask[:] = 1.0
+    batch.advantages = torch.ones(4, MAX_LEN)
+    batch.advantages[1] = 0.0
+    batch.loss_mask[2, 2:] = 0.0
+    batch.advantages[2, :2] = 0.0  # non-zero only where no token is trained
+    assert rows_with_advantage(batch).tolist() == [0, 3]

@@ -67,3 +67,13 @@ def test_extends_errors_name_the_files(tmp_path: Path) -> None:
     (tmp_path / "child2.yaml").write_text("model:\n  path: m\n")
     with pytest.raises(ConfigError, match=r"typo.yaml: unknown key 'trainer.lrr'"):
         load_config(tmp_path / "typo.yaml")
+
+
+def test_skipping_zero_advantage_rows_is_refused_when_those_rows_have_a_kl_gradient() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    skip = "trainer.skip_zero_advantage_rows=true"
+    assert load_config(recipe, [skip]).trainer.skip_zero_advantage_rows
+    with pytest.raises(ConfigError, match=r"grpo_addition_cpu.yaml: .*algorithm.kl_coef=0.1"):
+        load_config(recipe, [skip, "algorithm.kl_coef=0.1"])
+    with pytest.raises(ConfigError, match=r"algorithm.entropy_coef=0.01"):
+        load_config(recipe, [skip, "algorithm.entropy_coef=0.01"])
