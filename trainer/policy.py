@@ -183,11 +183,10 @@ class PolicyTrainer:
 
         Mini-batches are contiguous row ranges of the batch, in order. An optimizer step whose
         loss or gradient norm is NaN/inf is skipped (nothing changes but the zeroed grads).
-        Returns global metrics: actor/nonfinite_skipped is the number of skipped steps
-        (actor/skipped_row_frac, with trainer.skip_zero_advantage_rows, the share of rows left
-        out of forward and backward); the
-        other actor/* describe the steps taken only (a skipped step's metrics are typically
-        NaN and describe no update): token-weighted means over their tokens, actor/loss and
+        Returns global metrics: actor/nonfinite_skipped is the number of skipped steps; with
+        trainer.skip_zero_advantage_rows, actor/skipped_row_frac is the share of rows left out
+        of forward and backward; the other actor/* describe the steps taken only (a skipped
+        step's metrics are typically NaN and describe no update): token-weighted means over their tokens, actor/loss and
         actor/grad_norm means over them, all NaN when every step was skipped; actor/lr is the
         lr of the last step (for a skipped one, the lr the next step will use). Plus timing/*,
         and memory/trainer_peak_mb, the largest rank's peak during the step.
