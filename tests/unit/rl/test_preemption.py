@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # The main thread spends its time in long C calls that release the GIL (matmuls of about
 # 0.5 s), as a driver does in `ray.get`: Python-level handlers run only between them.
@@ -30,24 +32,30 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _start(num_matmuls: int) -> subprocess.Popen:
+@contextmanager
+def _child(num_matmuls: int) -> Iterator[subprocess.Popen]:
+    """The child, started and into its first matmul; killed if a test leaves it running."""
     code = _CHILD.format(num_matmuls=num_matmuls)
     process = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert process.stdout.readline() == "ready\n"
-    time.sleep(0.2)  # into the first matmul
-    return process
+    try:
+        assert process.stdout.readline() == "ready\n"
+        time.sleep(0.2)
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_two_signals_while_the_main_thread_is_in_c_code_exit_at_once() -> None:
     # Two signals inside one matmul reach a Python-level handler as one call; the loop is
     # about a minute long, so only acting on each signal ends it within the timeout.
-    process = _start(100)
-    os.kill(process.pid, signal.SIGTERM)
-    time.sleep(0.1)  # the kernel merges a signal into one still pending
-    os.kill(process.pid, signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=30)
+    with _child(100) as process:
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.1)  # the kernel merges a signal into one still pending
+        os.kill(process.pid, signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "SIGTERM: finishing the current step" in stderr
     assert "second SIGTERM: exiting now" in stderr
@@ -55,9 +63,9 @@ def test_two_signals_while_the_main_thread_is_in_c_code_exit_at_once() -> None:
 
 
 def test_one_signal_is_recorded_and_the_block_runs_on_then_restores_the_handler() -> None:
-    process = _start(4)
-    os.kill(process.pid, signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    with _child(4) as process:
+        os.kill(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
     assert "SIGINT: finishing the current step" in stderr
     assert "after the loop: SIGINT" in stdout
