@@ -302,16 +302,28 @@ def accuracy_table(r: dict) -> str:
         return f"{side['seconds']:.0f} s (step {side['step']}, {side['accuracy']:.1%})"
 
     tandem, trl = r["tandem"], r["trl"]
-    ratio = tandem["seconds"] / trl["seconds"] if tandem["step"] and trl["step"] else None
     return "\n".join(
         [
             "| | Tandem | TRL | Tandem / TRL |",
             "|---|---|---|---|",
             f"| held-out greedy accuracy before | {tandem['before']:.1%} | {trl['before']:.1%} | |",
             f"| training time to {r['target']:.0%} | {cell(tandem)} | {cell(trl)} | "
-            + (f"**{ratio:.2f}x** |" if ratio else "- |"),
+            f"{time_ratio(tandem, trl)} |",
         ]
     )
+
+
+def time_ratio(tandem: dict, trl: dict) -> str:
+    """Tandem's time to the target over TRL's; a bound when one side never reached it (its
+    time is then more than all the seconds it ran)."""
+    ratio = f"{tandem['seconds'] / trl['seconds']:.2f}x"
+    if tandem["step"] and trl["step"]:
+        return f"**{ratio}**"
+    if tandem["step"]:
+        return f"**< {ratio}**"
+    if trl["step"]:
+        return f"> {ratio}"
+    return "-"
 
 
 def main() -> None:

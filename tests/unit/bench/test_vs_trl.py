@@ -89,6 +89,15 @@ def test_time_to_reports_the_best_evaluation_when_the_target_is_never_reached():
     assert "not reached in 4 steps, 8 s (best 62.0%, step 3)" in row
 
 
+def test_the_time_ratio_is_a_bound_when_only_one_side_reaches_the_target():
+    reached = vs_trl.time_to(_steps([0.5, 0.81]), target=0.8)  # 4 s
+    missed = vs_trl.time_to(_steps([0.5, 0.6, 0.7, 0.79]), target=0.8)  # 8 s, never
+    assert vs_trl.time_ratio(reached, missed) == "**< 0.50x**"
+    assert vs_trl.time_ratio(missed, reached) == "> 2.00x"
+    assert vs_trl.time_ratio(reached, reached) == "**1.00x**"
+    assert vs_trl.time_ratio(missed, missed) == "-"
+
+
 def test_trl_gets_the_recipes_workload_and_compute_dtype(tmp_path):
     args = vs_trl.trl_workload(vs_trl.THROUGHPUT, tmp_path, num_steps=6)
     options = dict(zip(args[::2], args[1::2], strict=True))
