@@ -53,15 +53,15 @@ class StopRequest:
                     self._on_signal(signum)
         os.close(read_fd)
 
-    def install(self) -> None:
-        """Handle the signals from now on (inside `installed`). Called again after
-        `ray.init`, whose core worker puts in handlers of its own that abort the process on
-        SIGTERM."""
+    def install(self) -> int:
+        """Handle the signals from now on (inside `installed`); returns the wakeup fd it
+        replaced (-1: none). Called again after `ray.init`, whose core worker puts in
+        handlers of its own that abort the process on SIGTERM."""
         if self._write_fd is None:
-            return
+            return -1
         for sig in SIGNALS:
             signal.signal(sig, _ignore)
-        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        return signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
 
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -74,8 +74,7 @@ class StopRequest:
         os.set_blocking(self._write_fd, False)  # the C-level handler must never block
         watcher = threading.Thread(target=self._watch, args=(read_fd,), daemon=True)
         watcher.start()
-        previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        self.install()
+        previous_fd = self.install()
         try:
             yield self
         finally:
