@@ -136,6 +136,12 @@ class RolloutConfig(Section):
         0.4, description="vLLM GPU memory fraction per worker (GPU only)."
     )
     max_model_len: int = Field(256, description="Longest prompt+response the engine accepts.")
+    compile: bool | None = Field(
+        None,
+        description="vllm: compile the model (torch.compile, plus CUDA graphs on GPU; vLLM's "
+        "enforce_eager=false). null = compiled on GPU, eager on CPU, where compiling adds about "
+        "25 s of start-up for the 25M bench model and makes its generation ~1.15x faster.",
+    )
     max_new_tokens: int = Field(16, description="Response length cap.")
     temperature: float = Field(
         1.0, description="Sampling temperature (also used for trainer log-probs)."
@@ -225,6 +231,13 @@ class TrainerConfig(Section):
         False,
         description="Recompute each decoder layer's forward in backward instead of keeping its "
         "activations (policy and critic): far less memory, about a third more compute.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (policy, reference, critic), fusing its "
+        "elementwise work: the 25M bench model's CPU train step ran 1.3x faster. The first "
+        "steps pay the compile (about 30 s on 2 CPU cores; cached on disk for later runs); "
+        "on CPU it needs a C++ compiler.",
     )
 
 

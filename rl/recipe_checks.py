@@ -86,6 +86,11 @@ def _check_rollout(cfg: Config, path: Path | str) -> None:
             f"rollout.tensor_parallel_size=1 (got {rollout.tensor_parallel_size}), or use "
             "rollout.engine=vllm for tensor parallelism"
         )
+    if rollout.engine == "torch" and rollout.compile is not None:
+        raise ConfigError(
+            f"{path}: rollout.compile={rollout.compile} chooses how vLLM runs its model; "
+            "rollout.engine=torch has no compiled mode: drop rollout.compile"
+        )
 
 
 def _check_scheduler(cfg: Config, path: Path | str) -> None:

@@ -71,8 +71,8 @@ def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> d
         # Behaviour log-probs after temperature (and top-p), as the trainer computes
         # log_softmax(logits / T); the default "raw_logprobs" ignores temperature.
         logprobs_mode="processed_logprobs",
-        # On CPU, torch.compile costs far more startup than it saves for small models.
-        enforce_eager=current_platform.is_cpu(),
+        # On CPU, by default: compiling costs more start-up than it saves in a short run.
+        enforce_eager=current_platform.is_cpu() if cfg.compile is None else not cfg.compile,
         # A partly prefilled seeded request makes vLLM rewind its generator's offset,
         # which CPU generators do not support ("CPU Generator does not use offset").
         enable_chunked_prefill=not current_platform.is_cpu(),

@@ -93,6 +93,35 @@ def checkpoint_activations(layers: nn.ModuleList) -> None:
         layer.forward = checkpointed
 
 
+def check_cpu_compiler() -> None:
+    """ValueError when Inductor finds no C++ compiler for its CPU kernels, which it would
+    otherwise report at the first forward, deep in a traceback."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:
+        raise ValueError(
+            f"trainer.compile=true on CPU needs a C++ compiler for torch.compile's kernels, "
+            f"and none was found on this node ({exc}): install g++ (or point $CXX at one), or "
+            "set trainer.compile=false"
+        ) from None
+
+
+def compile_layers(layers: nn.ModuleList) -> None:
+    """torch.compile each layer's forward, on the instance as `checkpoint_activations` wraps
+    it: parameter names stay those of the checkpoint, and FSDP2's hooks on the layer run
+    outside the compiled code.
+
+    Shapes are specialised on the first micro-batch; the first micro-batch of another shape
+    recompiles with its batch and length dimensions symbolic, and that graph serves every
+    later shape and layer (dynamic=True from the start also makes the hidden sizes symbolic,
+    and its kernels ran 2x slower on CPU).
+    """
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 # Whether a decoder layer frees its gathered parameters after forward (gathering them again for
 # backward) or keeps them until backward: ZeRO-3 trades the second all-gather for memory.
 _RESHARD_AFTER_FORWARD = {"zero3": True, "zero2": False, "hybrid": True, "none": False}
@@ -140,12 +169,17 @@ def shard_with_fsdp(
     Parameters stay fp32 (the optimizer's master copy) and are cast to `dtype` for compute;
     gradients are reduced in fp32. With `cfg.offload` on a GPU, the sharded parameters,
     gradients and optimizer state live in CPU memory and are copied to the GPU per layer
-    (on CPU they are in CPU memory already).
+    (on CPU they are in CPU memory already). With `cfg.compile`, each layer's forward is
+    compiled (`compile_layers`), activation checkpointing included.
     """
     policy = MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
     offload = offload_policy(cfg.offload, mesh.device_type)
     if activation_checkpointing:
         checkpoint_activations(layers)
+    if cfg.compile:
+        if mesh.device_type == "cpu":
+            check_cpu_compiler()
+        compile_layers(layers)
     reshard = _RESHARD_AFTER_FORWARD[cfg.sharding]
     for layer in layers:
         fully_shard(

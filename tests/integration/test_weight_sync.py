@@ -63,9 +63,12 @@ SETUPS = {
         "distributed",
         "vllm",
     ),
+    # A compiled model reads the weights a sync writes in place, like an eager one.
+    "qwen2-untied-tp1-compiled": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "vllm"),
     "qwen2-tied-torch": ("qwen2", True, 1, 2, 0.02, [], {}, "auto", "torch"),
     "llama-untied-torch-gloo": ("llama", False, 1, 1, 0.02, [], {}, "distributed", "torch"),
 }
+COMPILED = {"qwen2-untied-tp1-compiled"}  # setups whose engines run rollout.compile=true
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -109,6 +112,7 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
                 "max_model_len": 64,
                 "weight_bucket_mb": bucket_mb,
                 "weight_transport": transport,
+                "compile": True if request.param in COMPILED else None,
             },
             "trainer": {"num_workers": 2, "lr": 1e-2},
         }

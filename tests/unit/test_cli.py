@@ -100,6 +100,7 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
         "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
         "rollout.engine=sglang",
         "trainer.share_prompts=true",  # with trainer.packing=true below
+        "rollout.compile=true",  # with rollout.engine=torch below
     ],
 )
 def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
@@ -107,7 +108,8 @@ def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None
     tp = ["rollout.tensor_parallel_size=2"] if needs_tp else []
     split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
     packing = ["trainer.packing=true"] if override.startswith("trainer.share_prompts") else []
-    result = run_cli("train", DEMO, override, *tp, *split, *packing)
+    engine = ["rollout.engine=torch"] if override.startswith("rollout.compile") else []
+    result = run_cli("train", DEMO, override, *tp, *split, *packing, *engine)
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
 
