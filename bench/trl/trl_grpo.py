@@ -147,6 +147,11 @@ def main() -> int:
         default="float32",
         help="compute dtype: bfloat16 is TRL's bf16 mixed precision (fp32 master weights)",
     )
+    p.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="TrainingArguments.torch_compile: TRL's counterpart of trainer.compile",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -183,6 +188,7 @@ def main() -> int:
         # bf16 autocast over fp32 weights, as Tandem's model.dtype=bfloat16 (TRL's default).
         bf16=args.dtype == "bfloat16",
         gradient_checkpointing=False,  # TRL's default is on
+        torch_compile=args.torch_compile,
         model_init_kwargs={"dtype": torch.float32},
         max_steps=args.steps,
         per_device_train_batch_size=args.micro_batch_size,
