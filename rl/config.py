@@ -27,8 +27,11 @@ class ModelConfig(Section):
     path: str = Field(
         description="Local Hugging Face causal-LM directory (config, safetensors, tokenizer)."
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter dtype for trainer and rollout."
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Compute dtype of trainer and rollout; the trainer keeps fp32 master "
+        "weights and reduces gradients in fp32. float16 adds dynamic loss scaling "
+        "(trainer/loss_scale.py); prefer bfloat16 where the hardware has it.",
     )
     frozen: list[str] = Field(
         [],

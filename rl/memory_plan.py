@@ -24,7 +24,7 @@ import psutil
 from rl.config import Config
 
 GIB = 1 << 30
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The kernel's torch path keeps a chunk's fp32 logits, their exponentials and gradient.
 _LOGPROB_WORKSPACE_COPIES = 3
 

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainer.loss_scale import LossScale
+
 # The classes DCP's .metadata pickle may name, and nothing else.
 _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -94,9 +96,10 @@ def save_training_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loss_scale: LossScale | None = None,
 ) -> None:
-    """Write this rank's shards (collective), and on rank 0 the schedule and the full
-    tensor shapes; every rank writes its RNG state."""
+    """Write this rank's shards (collective), and on rank 0 the schedule (with the fp16 loss
+    scale) and the full tensor shapes; every rank writes its RNG state."""
     directory.mkdir(parents=True, exist_ok=True)
     state = _tensor_state(model, optimizer)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)))
@@ -104,6 +107,7 @@ def save_training_state(
         schedule = {
             "scheduler": scheduler.state_dict(),
             "lrs": [group["lr"] for group in optimizer.param_groups],
+            "loss_scale": None if loss_scale is None else loss_scale.state_dict(),
         }
         (directory / "schedule.json").write_text(json.dumps(schedule))
         (directory / "shapes.json").write_text(json.dumps(_shapes(state["model"])))
@@ -116,9 +120,11 @@ def load_training_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loss_scale: LossScale | None = None,
 ) -> None:
     """Restore what `save_training_state` wrote (collective); shapes that differ from the
-    model's are a ValueError naming the checkpoint."""
+    model's are a ValueError naming the checkpoint. `loss_scale` continues from the saved
+    scale when the checkpoint has one (it was written by an fp16 run)."""
     state = _tensor_state(model, optimizer)
     saved = json.loads((directory / "shapes.json").read_text())
     current = _shapes(state["model"])
@@ -141,6 +147,8 @@ def load_training_state(
     scheduler.load_state_dict(schedule["scheduler"])
     for group, lr in zip(optimizer.param_groups, schedule["lrs"], strict=True):
         group["lr"] = lr
+    if loss_scale is not None and schedule.get("loss_scale"):
+        loss_scale.load_state_dict(schedule["loss_scale"])
     rng_file = directory / f"rng_rank{rank}.json"
     if rng_file.exists():  # absent when resuming on more ranks than were saved
         set_rng_state(json.loads(rng_file.read_text()))

@@ -24,6 +24,7 @@ from rl.config import Config, TrainerConfig
 from rl.types import Batch
 from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
+from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.packing import ModelInput
 from trainer.ranks import (
     adamw_with_warmup,
@@ -105,6 +106,7 @@ class ValueTrainer:
             cfg.trainer.weight_decay,
             cfg.critic.warmup_steps,
         )
+        self.loss_scale = loss_scale_for(cfg.model.dtype)
 
     def _micro_batches(
         self, batch: Batch
@@ -147,7 +149,7 @@ class ValueTrainer:
             values = self.model(inputs)
             token_loss = value_loss(values, micro.old_values, micro.returns, mask, clip)  # masked
             loss = token_loss.sum() / denominator
-            (loss * self.world_size).backward()
+            (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             with torch.no_grad():
                 # Clipped where the clipped branch is the larger loss (its gradient is zero).
                 unclipped = value_loss(values, micro.old_values, micro.returns, mask, 0.0)
@@ -197,6 +199,7 @@ class ValueTrainer:
                     self.scheduler,
                     self.cfg.critic.max_grad_norm,
                     loss=sums["loss"],
+                    loss_scale=self.loss_scale,
                 )
                 if step.skipped:  # its sums are typically NaN and describe no update
                     skipped += 1
@@ -225,6 +228,7 @@ class ValueTrainer:
             **metrics,
             "critic/nonfinite_skipped": float(skipped),
             "critic/lr": step.lr,
+            **({} if self.loss_scale is None else {"critic/loss_scale": self.loss_scale.scale}),
             "timing/critic_step_s": time.perf_counter() - start,
             "memory/critic_peak_mb": peak_memory_mb(self.device),
         }
@@ -232,10 +236,14 @@ class ValueTrainer:
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's shards of the critic and its optimizer (collective)."""
         reshard(self.model)
-        save_training_state(Path(directory), self.rank, self.model, self.optimizer, self.scheduler)
+        save_training_state(
+            Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
+        )
 
     def load_checkpoint(self, directory: str) -> None:
-        load_training_state(Path(directory), self.rank, self.model, self.optimizer, self.scheduler)
+        load_training_state(
+            Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
+        )
 
     def close(self) -> None:
         """Leave the process group (the last call on this object)."""

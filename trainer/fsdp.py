@@ -20,7 +20,7 @@ from kernels.attention import ATTENTION
 from rl.config import ModelConfig, TrainerConfig
 from trainer.packing import IGNORE, ModelInput
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LogProbModel(nn.Module):

@@ -29,6 +29,7 @@ from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
 from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
 from trainer.hf_model import save_hf_atomic
+from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.packing import ModelInput
 from trainer.ranks import (
     StepResult,
@@ -81,6 +82,7 @@ class PolicyTrainer:
         if cfg.algorithm.kl_coef > 0:
             self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
         self.sender: WeightSender | None = None  # set by open_weight_sender
+        self.loss_scale = loss_scale_for(cfg.model.dtype)
         self.optimizer, self.scheduler = adamw_with_warmup(
             [p for p in self.policy.parameters() if p.requires_grad],
             cfg.trainer.lr,
@@ -149,7 +151,7 @@ class PolicyTrainer:
             loss, metrics = policy_objective(
                 algo, logprob, entropy, micro, max_len, denominator, self._forward_correction
             )
-            (loss * self.world_size).backward()
+            (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
                 if name in metrics:
@@ -172,10 +174,15 @@ class PolicyTrainer:
         return out
 
     def _optimizer_step(self, loss: float) -> StepResult:
-        """Clip, step, zero grads; skipped when `loss` or the grad norm is NaN/inf
+        """Unscale, clip, step, zero grads; skipped when `loss` or the grad norm is NaN/inf
         (`trainer.ranks.optimizer_step`)."""
         return optimizer_step(
-            self.policy, self.optimizer, self.scheduler, self.cfg.trainer.max_grad_norm, loss=loss
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.cfg.trainer.max_grad_norm,
+            loss=loss,
+            loss_scale=self.loss_scale,
         )
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -234,6 +241,7 @@ class PolicyTrainer:
             {
                 "actor/nonfinite_skipped": float(len(step_metrics) - taken),
                 "actor/lr": step.lr,
+                **({} if self.loss_scale is None else {"actor/loss_scale": self.loss_scale.scale}),
                 "timing/train_step_s": seconds,
                 "timing/train_tokens_per_s": real_tokens / seconds,
                 "memory/trainer_peak_mb": peak_memory_mb(self.device),
@@ -272,15 +280,15 @@ class PolicyTrainer:
         """Write this rank's shards of the policy and its optimizer into `directory`
         (collective; the frozen reference is the model.path checkpoint and is not saved)."""
         reshard(self.policy)
-        save_training_state(
-            Path(directory), self.rank, self.policy.model, self.optimizer, self.scheduler
-        )
+        save_training_state(Path(directory), self.rank, *self._checkpointed())
 
     def load_checkpoint(self, directory: str) -> None:
         """Continue from what `save_checkpoint` wrote (collective)."""
-        load_training_state(
-            Path(directory), self.rank, self.policy.model, self.optimizer, self.scheduler
-        )
+        load_training_state(Path(directory), self.rank, *self._checkpointed())
+
+    def _checkpointed(self) -> tuple:
+        """What a checkpoint holds: the policy, its optimizer, schedule and fp16 loss scale."""
+        return self.policy.model, self.optimizer, self.scheduler, self.loss_scale
 
     def parameter_checksum(self) -> float:
         """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe.

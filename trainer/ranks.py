@@ -24,6 +24,7 @@ from rl.config import TrainerConfig
 from rl.memory import peak_rss_bytes, reset_peak_rss
 from rl.types import Batch
 from trainer.fsdp import sharding_mesh
+from trainer.loss_scale import LossScale
 from trainer.micro_batching import num_micro_batches, plan_micro_batches, rank_rows
 from trainer.packing import ModelInput, packed_input, padded_input
 from trainer.prompt_sharing import shared_prompt_input
@@ -193,6 +194,7 @@ def optimizer_step(
     max_grad_norm: float,
     *,
     loss: float,
+    loss_scale: LossScale | None = None,
 ) -> StepResult:
     """Clip `model`'s gradients to `max_grad_norm`, step optimizer and schedule, zero grads.
 
@@ -201,8 +203,14 @@ def optimizer_step(
     and step counts and the lr schedule stay exactly as they were; the grads are still zeroed
     so the bad ones do not leak into the next step. Collective: the norm of DTensor shards is
     completed across ranks.
+
+    With `loss_scale` (fp16), the gradients of the scaled loss are divided by its scale first,
+    so the norm, the clip and the step see the true ones; then the scale learns from the skip
+    decision (`trainer.loss_scale`).
     """
     params = [p for p in model.parameters() if p.grad is not None]
+    if loss_scale is not None:
+        torch._foreach_div_([p.grad for p in params], loss_scale.scale)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(grad_norm, DTensor):  # partial norms of the shards -> the global norm
         grad_norm = grad_norm.full_tensor()
@@ -217,4 +225,6 @@ def optimizer_step(
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if loss_scale is not None:
+        loss_scale.update(skipped)
     return StepResult(norm, lr, skipped)

@@ -186,6 +186,31 @@ def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
     assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
 
 
+def test_an_fp16_run_generates_and_trains_in_half_precision_with_a_loss_scale(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    """model.dtype=float16 through the whole stack: vLLM generates in fp16, the trainer
+    computes in fp16 over fp32 master weights and scales its loss."""
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "fp16",
+        model={"dtype": "float16"},
+        algorithm={"recompute_old_logprobs": True},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        assert record["actor/nonfinite_skipped"] == 0.0
+        assert record["actor/loss_scale"] == 2.0**16
+        assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
+    assert any(r["actor/grad_norm"] > 0 for r in records[1:]), "no reward signal to learn from"
+    # Both sides in fp16 from the same weights: the engine's log-probs are the trainer's
+    # within half precision's rounding.
+    assert records[1]["off_policy/max_abs_logprob_gap"] < 5e-2
+    assert final["rollout/version"] == 2
+
+
 @pytest.mark.parametrize(
     "max_staleness, placement",
     [(1, "colocate"), (0, "split"), (1, "split")],
