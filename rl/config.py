@@ -238,9 +238,9 @@ class TrainerConfig(Section):
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer (policy, reference, critic), fusing its "
-        "elementwise work: the 25M bench model's CPU train step ran 1.3x faster. The first "
-        "steps pay the compile (about 30 s on 2 CPU cores; cached on disk for later runs); "
-        "on CPU it needs a C++ compiler.",
+        "elementwise work: the 25M bench model's CPU train step ran 1.35x faster. The first "
+        "steps pay the compile (about 40 s on 2 CPU cores with an empty cache; cached on disk "
+        "for later runs); on CPU it needs a C++ compiler.",
     )
 
 

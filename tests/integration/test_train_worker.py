@@ -183,33 +183,42 @@ def test_activation_checkpointing_recomputes_each_layer_and_gives_the_same_step(
         torch.testing.assert_close(checkpointed["params"][name], param, rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_layers_give_the_same_logprobs_and_step(
+def test_compiled_layers_give_the_same_logprobs_and_step_with_and_without_checkpointing(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = make_batch(model, num_rows=6, seq_len=12, seed=5)
     # 3 rows per rank in micro-batches of 2: two shapes, so the dynamic-shape graph runs too.
-    eager, compiled = (
-        _one_step(
-            trainer_config(tiny_model_dir, lr=1e-2, micro_batch_size=2, compile=compiled),
+    runs = {
+        (compiled, checkpointed): _one_step(
+            trainer_config(
+                tiny_model_dir,
+                lr=1e-2,
+                micro_batch_size=2,
+                compile=compiled,
+                activation_checkpointing=checkpointed,
+            ),
             batch,
             tmp_path,
-            f"compile-{compiled}",
+            f"compile-{compiled}-{checkpointed}",
         )[0]
-        for compiled in (False, True)
-    )
-    assert eager["compiled_graphs"] == 0 and compiled["compiled_graphs"] >= 2
-    torch.testing.assert_close(compiled["logprobs"], eager["logprobs"], rtol=1e-5, atol=1e-5)
-    assert compiled["metrics"]["actor/loss"] == pytest.approx(
-        eager["metrics"]["actor/loss"], rel=1e-5
-    )
-    assert compiled["metrics"]["actor/grad_norm"] == pytest.approx(
-        eager["metrics"]["actor/grad_norm"], rel=1e-5
-    )
-    # As for the fused kernel against the naive path: Adam's first step turns rounding-level
-    # gradient differences into up to ~1e-2 * 1e-2 where a gradient is ~0.
-    for name, param in eager["params"].items():
-        torch.testing.assert_close(compiled["params"][name], param, rtol=1e-5, atol=1e-4)
+        for compiled, checkpointed in ((False, False), (True, False), (True, True))
+    }
+    eager = runs.pop((False, False))
+    assert eager["compiled_graphs"] == 0
+    for label, compiled in runs.items():
+        assert compiled["compiled_graphs"] >= 2, label
+        torch.testing.assert_close(compiled["logprobs"], eager["logprobs"], rtol=1e-5, atol=1e-5)
+        assert compiled["metrics"]["actor/loss"] == pytest.approx(
+            eager["metrics"]["actor/loss"], rel=1e-5
+        )
+        assert compiled["metrics"]["actor/grad_norm"] == pytest.approx(
+            eager["metrics"]["actor/grad_norm"], rel=1e-5
+        )
+        # As for the fused kernel against the naive path: Adam's first step turns
+        # rounding-level gradient differences into up to ~1e-2 * 1e-2 where a gradient is ~0.
+        for name, param in eager["params"].items():
+            torch.testing.assert_close(compiled["params"][name], param, rtol=1e-5, atol=1e-4)
 
 
 # ---- the Ray actor group ------------------------------------------------------------------
