@@ -29,9 +29,8 @@ class ModelConfig(Section):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
-        description="Compute dtype of trainer and rollout; the trainer keeps fp32 master "
-        "weights and reduces gradients in fp32. float16 adds dynamic loss scaling "
-        "(trainer/loss_scale.py); prefer bfloat16 where the hardware has it.",
+        description="Compute dtype of trainer (over fp32 master weights) and rollout; "
+        "float16 adds dynamic loss scaling (trainer/loss_scale.py).",
     )
     frozen: list[str] = Field(
         [],
@@ -141,9 +140,8 @@ class RolloutConfig(Section):
     max_model_len: int = Field(256, description="Longest prompt+response the engine accepts.")
     compile: bool | None = Field(
         None,
-        description="vllm: compile the model (torch.compile, plus CUDA graphs on GPU; vLLM's "
-        "enforce_eager=false). null = compiled on GPU, eager on CPU, where compiling adds about "
-        "25 s of start-up for the 25M bench model and makes its generation ~1.15x faster.",
+        description="vllm: compile the model (vLLM's enforce_eager=false). null = compiled on "
+        "GPU, eager on CPU, where compiling costs start-up that only longer runs repay.",
     )
     max_new_tokens: int = Field(16, description="Response length cap.")
     temperature: float = Field(
@@ -238,9 +236,7 @@ class TrainerConfig(Section):
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer (policy, reference, critic), fusing its "
-        "elementwise work: the 25M bench model's CPU train step ran 1.35x faster. The first "
-        "steps pay the compile (about 40 s on 2 CPU cores with an empty cache; cached on disk "
-        "for later runs); on CPU it needs a C++ compiler.",
+        "elementwise work; the first steps pay the compile. On CPU it needs a C++ compiler.",
     )
 
 
