@@ -9,9 +9,13 @@ the peak it clears into the long window, so the short windows do not shorten it.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 # The largest peak `reset_peak_rss` cleared since the last `take_peak_rss_bytes`.
 _folded_peak_bytes = 0
@@ -65,3 +69,23 @@ def take_peak_memory_bytes() -> int:
         torch.cuda.reset_peak_memory_stats()
         return peak
     return take_peak_rss_bytes()
+
+
+def reuse_freed_host_memory() -> bool:
+    """Make glibc keep the memory of freed tensors in this process for the next ones; returns
+    whether it applied (False where the C library is not glibc).
+
+    By default glibc gives an allocation of a few MiB (an activation of a CPU micro-batch)
+    pages of its own and hands them back to the kernel when it is freed, then raises those
+    limits as it goes; a train step's mix of sizes kept it mapping and page-faulting its
+    activations in afresh every micro-batch. Allocations up to 32 MiB now come from the heap,
+    which keeps up to 256 MiB free at its top instead of trimming it. The time-to-accuracy
+    recipe's CPU train step: about 49 ms against 56 (docs/benchmarks.md).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    )

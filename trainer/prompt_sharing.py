@@ -25,62 +25,68 @@ from trainer.packing import ModelInput
 def prompt_groups(micro: Batch) -> list[tuple[int, list[int]]]:
     """(prompt length, rows) for each distinct prompt of `micro`, in order of first row."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
-    trained = micro.loss_mask.bool()
+    ids, trained = micro.input_ids.tolist(), micro.loss_mask.tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, length in enumerate(lengths):
-        targets = trained[row].nonzero()
+        first_target = next((t for t, weight in enumerate(trained[row]) if weight), None)
         # Target t scores token t + 1: the response starts at the first trained target + 1.
-        prompt_length = int(targets[0]) + 1 if len(targets) else length
-        key = tuple(micro.input_ids[row, :prompt_length].tolist())
-        groups.setdefault(key, []).append(row)
+        prompt_length = length if first_target is None else first_target + 1
+        groups.setdefault(tuple(ids[row][:prompt_length]), []).append(row)
     return [(len(key), rows) for key, rows in groups.items()]
 
 
 def shared_prompt_input(micro: Batch) -> ModelInput:
     """`micro` with one row per distinct prompt: [prompt, response 1, response 2, ...], padded
     to the longest such row. Targets are listed once where rows share them (the prompt's own)
-    and per row from the prompt's last token on; `unpack` returns the padded [B, T-1]."""
+    and per row from the prompt's last token on; `unpack` returns the padded [B, T-1].
+
+    Built in Python lists, then made tensors once: per-row tensor ops cost 4 ms of the
+    time-to-accuracy recipe's 50 ms train step."""
     lengths = micro.attention_mask.sum(dim=1).tolist()
+    ids = micro.input_ids.tolist()
     groups = prompt_groups(micro)
-    widths = [prompt + sum(lengths[r] - prompt for r in rows) for prompt, rows in groups]
-    num_rows, width = len(groups), max(widths)
-    input_ids = torch.zeros(num_rows, width, dtype=micro.input_ids.dtype)
-    position_ids = torch.zeros(num_rows, width, dtype=torch.long)
-    # Each position's segment: 0 the prompt, i the i-th response, -1 padding.
-    segments = torch.full((num_rows, width), -1, dtype=torch.long)
+    width = max(prompt + sum(lengths[r] - prompt for r in rows) for prompt, rows in groups)
+    # Per row: its tokens, positions and each position's segment (0 the prompt, i the i-th
+    # response, -1 padding).
+    input_ids, position_ids, segments = [], [], []
     hidden_index, targets = [], []
-    unpack_index = torch.full((micro.num_sequences, micro.input_ids.shape[1] - 1), -1)
+    num_steps = micro.input_ids.shape[1] - 1
+    unpack_index = [[-1] * num_steps for _ in range(micro.num_sequences)]
     for row, (prompt, rows) in enumerate(groups):
-        tokens = micro.input_ids[rows[0]]
-        input_ids[row, :prompt], segments[row, :prompt] = tokens[:prompt], 0
-        position_ids[row, :prompt] = torch.arange(prompt)
+        tokens = ids[rows[0]]
+        row_ids, row_positions, row_segments = tokens[:prompt], list(range(prompt)), [0] * prompt
         row_start = row * width
         # The prompt scores its own next tokens once for every row that shares it.
-        shared = torch.arange(len(targets), len(targets) + prompt - 1)
+        shared = range(len(targets), len(targets) + prompt - 1)
         hidden_index += range(row_start, row_start + prompt - 1)
-        targets += tokens[1:prompt].tolist()
-        offset = prompt
+        targets += tokens[1:prompt]
         for segment, sample in enumerate(rows, start=1):
-            response = micro.input_ids[sample, prompt : lengths[sample]]
-            end = offset + len(response)
-            input_ids[row, offset:end], segments[row, offset:end] = response, segment
-            position_ids[row, offset:end] = torch.arange(prompt, lengths[sample])
+            response = ids[sample][prompt : lengths[sample]]
+            offset = len(row_ids)
             # From the prompt's last token on, each target is this row's own: the position
             # before each response token, which for the first is the prompt's last.
-            before = [prompt - 1, *range(offset, end - 1)][: len(response)]
-            own = torch.arange(len(targets), len(targets) + len(response))
+            before = [prompt - 1, *range(offset, offset + len(response) - 1)][: len(response)]
             hidden_index += [row_start + position for position in before]
-            targets += response.tolist()
-            unpack_index[sample, : prompt - 1] = shared
-            unpack_index[sample, prompt - 1 : lengths[sample] - 1] = own
-            offset = end
-    unpack_index[unpack_index < 0] = len(targets)  # `unpack`'s zero for padding
+            unpack_index[sample][: prompt - 1] = shared
+            unpack_index[sample][prompt - 1 : lengths[sample] - 1] = range(
+                len(targets), len(targets) + len(response)
+            )
+            targets += response
+            row_ids += response
+            row_positions += range(prompt, lengths[sample])
+            row_segments += [segment] * len(response)
+        padding = width - len(row_ids)
+        input_ids.append(row_ids + [0] * padding)
+        position_ids.append(row_positions + [0] * padding)
+        segments.append(row_segments + [-1] * padding)
+    unpack = torch.tensor(unpack_index, dtype=torch.long).reshape(micro.num_sequences, num_steps)
+    unpack[unpack < 0] = len(targets)  # `unpack`'s zero for padding
     return ModelInput(
-        input_ids,
-        _attention_mask(segments),
-        position_ids,
+        torch.tensor(input_ids, dtype=micro.input_ids.dtype),
+        _attention_mask(torch.tensor(segments, dtype=torch.long)),
+        torch.tensor(position_ids, dtype=torch.long),
         torch.tensor(targets, dtype=micro.input_ids.dtype).reshape(-1),
-        unpack_index,
+        unpack,
         torch.tensor(hidden_index, dtype=torch.long).reshape(-1),
     )
 

@@ -3,6 +3,10 @@ inside the long ones between takes, as a weight sync runs inside a rollout worke
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from rl.memory import (
@@ -44,3 +48,39 @@ def test_a_take_without_resets_sees_the_peak_and_cuda_free_processes_use_rss() -
     _touch_and_free()
     assert take_peak_memory_bytes() >= base + SIZE - 8 * MIB
     assert take_peak_memory_bytes() < base + SIZE // 2
+
+
+# Page faults of 10 forward/backward steps of an MLP of the time-to-accuracy model's width
+# (1,000 tokens, 128 -> 1024 -> 128), after 3 to warm up: activations of 0.5-4 MiB.
+_COUNT_FAULTS = """
+import resource, sys, torch
+from rl.memory import reuse_freed_host_memory
+torch.set_num_threads(1)
+if sys.argv[1] == "reuse":
+    assert reuse_freed_host_memory()
+mlp = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 128))
+x = torch.randn(1000, 128)
+for step in range(13):
+    if step == 3:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    mlp(x).square().sum().backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _page_faults(mode: str) -> int:
+    repo = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_FAULTS, mode],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+def test_reusing_freed_host_memory_stops_steps_page_faulting_their_activations_in() -> None:
+    """Each step's activations come back from the heap instead of fresh pages (measured
+    5,163 faults against 1,000)."""
+    assert _page_faults("reuse") * 3 < _page_faults("default")
