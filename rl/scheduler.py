@@ -99,9 +99,11 @@ class Scheduler:
         while self.rollout_version < self.settings.num_steps:
             self._replace_lost()
             yield from self._sync_if_due()
+            # The trainer first: it sets the pace, and starting generation costs the driver
+            # prompt encoding and submit calls.
+            self._feed_trainer()
             if not self._sync_pending() and not self._lost:
                 self._admit()
-            self._feed_trainer()
             if self.rollout_version == self.settings.num_steps:
                 break
             assert self._pending, "scheduler stalled: nothing in flight and nothing to start"

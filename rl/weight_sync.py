@@ -84,8 +84,9 @@ class WeightSync:
 
     def stream(self, version: int, indices: list[int] | None = None) -> Iterator[int]:
         """Send `version` to rollout workers `indices` (default all); yields each bucket index
-        once every live receiver has applied it. Workers that die are dropped and listed in
-        `self.failed`; the others serve `version` when the stream ends."""
+        once every live receiver has applied it (the last one, and closed the update). Workers
+        that die are dropped and listed in `self.failed`; the others serve `version` when the
+        stream ends."""
         indices = list(range(len(self._rollout.workers))) if indices is None else indices
         receivers = {i: self._rollout.workers[i] for i in indices}
         self.failed = []
@@ -98,9 +99,13 @@ class WeightSync:
         for bucket in range(num_buckets):
             if pipelined:  # bucket is in its slot before anyone reads it
                 write_stats = ray.get(writes)
+            last = bucket + 1 == num_buckets  # the receivers then also close the update
             applied = self._gather(
                 receivers,
-                {i: r.apply_weight_bucket.remote(bucket, version) for i, r in receivers.items()},
+                {
+                    i: r.apply_weight_bucket.remote(bucket, version, last)
+                    for i, r in receivers.items()
+                },
             )
             if not pipelined:  # the sends complete as the receivers take them
                 write_stats = ray.get(writes)
@@ -108,11 +113,9 @@ class WeightSync:
             if bucket + 1 < num_buckets:
                 # Shared memory: the other slot held bucket - 1, which everyone has applied.
                 writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
-            num_bytes += max(applied, default=0)
+            num_bytes += max((bucket_bytes for bucket_bytes, _ in applied), default=0)
             yield bucket
-        finished = self._gather(
-            receivers, {i: r.finish_weight_update.remote(version) for i, r in receivers.items()}
-        )
+        finished = [closed for _, closed in applied]
         self.metrics = {
             "weight_sync/seconds": time.perf_counter() - start,
             "weight_sync/trainer_write_s": write_s,

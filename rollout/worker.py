@@ -94,11 +94,14 @@ class RolloutWorker:
     async def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
         self._engine.open_weight_sync(plan_json, channel_spec, first_member)
 
-    async def apply_weight_bucket(self, bucket: int, version: int) -> int:
-        return self._engine.apply_weight_bucket(bucket, version)
-
-    async def finish_weight_update(self, version: int) -> dict[str, float]:
-        return self._engine.finish_weight_update(version)
+    async def apply_weight_bucket(
+        self, bucket: int, version: int, last: bool
+    ) -> tuple[int, dict[str, float] | None]:
+        """Load bucket `bucket` of `version` (the engine's apply_weight_bucket); returns the
+        bytes its busiest TP rank read and, for the `last` bucket, the stats of closing the
+        update (finish_weight_update) in the same call: one round trip fewer per sync."""
+        num_bytes = self._engine.apply_weight_bucket(bucket, version)
+        return num_bytes, self._engine.finish_weight_update(version) if last else None
 
     async def version(self) -> int:
         """The policy version of the weights being served."""

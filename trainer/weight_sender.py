@@ -85,10 +85,13 @@ class WeightSender:
         """The dim-0 rows the plan has this rank send (`owned_rows`): its own FSDP2 shard when
         sharded over all ranks (zero2, zero3) or the whole tensor at W = 1; otherwise (a 2-D
         mesh: hybrid, none) the rank holds other rows than these, so they are cut from the
-        gathered tensor (a collective, which every rank runs for every tensor)."""
+        whole tensor: its own with sharding none, else gathered (a collective, which every rank
+        runs for every tensor)."""
         if not isinstance(param, DTensor):
             return param
-        if param.device_mesh.ndim == 1:
+        mesh = param.device_mesh
+        if mesh.ndim == 1:
             return param.to_local()
+        whole = param.to_local() if mesh.size(1) == 1 else param.full_tensor()
         start, stop = owned_rows(param.shape[0], self._rank, self._plan.world_size)
-        return param.full_tensor()[start:stop]
+        return whole[start:stop]

@@ -249,7 +249,7 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     version = served + 1
     # The trainer wrote bucket 0; the update stops after the worker applied it.
     ray.get([w.write_weight_bucket.remote(0) for w in setup.trainers.workers])
-    ray.get(worker.apply_weight_bucket.remote(0, version))
+    ray.get(worker.apply_weight_bucket.remote(0, version, False))
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4)
     with pytest.raises(ray.exceptions.RayTaskError, match="partly applied weight update"):
         ray.get(worker.generate.remote(fresh_samples([[5, 6, 7]], 1, [0]), params))
