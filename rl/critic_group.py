@@ -9,6 +9,7 @@ import torch
 
 from rl.cluster import Placement
 from rl.config import Config
+from rl.train_group import on_every_rank
 from rl.types import Batch
 from trainer.critic_worker import create_critic_group
 
@@ -30,14 +31,11 @@ class CriticGroup:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B, T-1] (fp32, CPU) of `batch`, 0 outside its loss_mask."""
-        batch_ref = ray.put(batch)
-        # Every rank returns the whole batch's (they all-reduce their rows); take one.
-        return ray.get([w.compute_values.remote(batch_ref) for w in self.workers])[0]
+        return on_every_rank(self.workers, "compute_values", batch)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Fit the values to batch.returns; critic/* metrics, already reduced over ranks."""
-        batch_ref = ray.put(batch)
-        return ray.get([w.train_step.remote(batch_ref) for w in self.workers])[0]
+        return on_every_rank(self.workers, "train_step", batch)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its shards of the critic and optimizer into `directory`."""
