@@ -21,6 +21,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
+# A committed checkpoint moved aside while the same step is written again (a resumed run's
+# final step): `.displaced-step_NNNNNN-<id>`, until its replacement is in place.
+_DISPLACED_PREFIX = ".displaced-"
 
 
 class CheckpointError(ValueError):
@@ -67,6 +70,7 @@ class CheckpointWriter:
     def begin(self, step: int) -> Path:
         """A fresh temporary directory to write step `step`'s files into."""
         self.root.mkdir(parents=True, exist_ok=True)
+        restore_displaced(self.root)
         # Left by a writer that crashed: never a checkpoint, safe to delete.
         for stale in self.root.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -91,7 +95,9 @@ class CheckpointWriter:
             _fsync(directory)
         final = self.root / checkpoint_name(step)
         if final.exists():  # the same step written again (a resumed run's final step)
-            old = self.root / f"{_TMP_PREFIX}old-{uuid.uuid4().hex[:8]}"
+            # A directory cannot replace another in one rename: a crash between the two
+            # leaves the old one displaced, and `restore_displaced` puts it back.
+            old = self.root / f"{_DISPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old)
@@ -107,6 +113,17 @@ class CheckpointWriter:
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[: -self.keep_last]:
             shutil.rmtree(old)
+
+
+def restore_displaced(root: Path) -> None:
+    """Finish what a writer that crashed while rewriting a step left: its old checkpoint,
+    moved aside, goes back in place unless the new one made it there (then it is deleted)."""
+    for displaced in root.glob(f"{_DISPLACED_PREFIX}*"):
+        final = root / displaced.name[len(_DISPLACED_PREFIX) :].rsplit("-", 1)[0]
+        if final.exists():
+            shutil.rmtree(displaced)
+        else:
+            displaced.rename(final)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -152,7 +169,9 @@ def verify(path: Path) -> dict:
 
 def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
     """(the newest checkpoint under `root` that verifies or None, why each newer one was
-    skipped)."""
+    skipped). A checkpoint a crashed rewrite left displaced is restored first."""
+    if root.is_dir():
+        restore_displaced(root)
     skipped = []
     for path in reversed(list_checkpoints(root)):
         try:

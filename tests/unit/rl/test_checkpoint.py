@@ -82,6 +82,37 @@ def test_rewriting_a_step_replaces_it_whole(tmp_path: Path) -> None:
     verify(path)
 
 
+def test_a_crash_between_the_renames_of_a_rewrite_loses_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rewriting step 5 moves the old one aside, then renames the new one in: killed in
+    between, the old one is restored by the resume's search and by the next write."""
+    writer = CheckpointWriter(tmp_path, keep_last=1)
+    _write(writer, 5, b"a" * 10)
+    original = Path.rename
+
+    def killed_after_the_first(self: Path, target: Path) -> Path:
+        moved = original(self, target)
+        monkeypatch.setattr(Path, "rename", crashed)
+        return moved
+
+    def crashed(self: Path, target: Path) -> Path:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "rename", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        _write(writer, 5, b"b" * 20)
+    monkeypatch.setattr(Path, "rename", original)
+    assert list_checkpoints(tmp_path) == []  # the gap: step 5 is only displaced
+
+    restored, skipped = newest_valid(tmp_path)
+    assert restored == tmp_path / "step_000005" and not skipped
+    assert (restored / "policy" / "shard0.distcp").read_bytes() == b"a" * 10
+    # The next write of step 5 replaces it whole and leaves nothing displaced behind.
+    _write(writer, 5, b"c" * 30)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
