@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import netrc
 import os
+import uuid
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -45,13 +46,24 @@ def resolve_wandb_mode(configured: str) -> str:
 
 
 class WandbTracker:
-    def __init__(self, cfg: Config, run_dir: Path, mode: str) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, mode: str, resumed: bool) -> None:
+        """A new wandb run, or (`resumed`) the run the interrupted one logged to, by the id
+        it kept in the run directory. wandb keeps a run's steps increasing: the steps the
+        interrupted run logged after its checkpoint keep their first values there, where
+        metrics.jsonl and tensorboard take the resumed ones."""
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
+        if run_id is None:
+            run_id = uuid.uuid4().hex[:12]  # wandb's run ids: lower-case letters and digits
+            id_file.write_text(run_id)
         self._run = wandb.init(
             project=cfg.run.wandb_project,
             name=cfg.run.name,
+            id=run_id,
+            resume="allow",
             dir=str(run_dir),
             mode=mode,
             config=cfg.model_dump(),
@@ -98,7 +110,7 @@ def open_trackers(cfg: Config, run_dir: Path, resume_step: int | None) -> list[T
     trackers: list[Tracker] = []
     mode = resolve_wandb_mode(cfg.run.wandb_mode)
     if mode != "disabled":
-        trackers.append(WandbTracker(cfg, run_dir, mode))
+        trackers.append(WandbTracker(cfg, run_dir, mode, resumed=resume_step is not None))
     if cfg.run.tensorboard:
         trackers.append(TensorboardTracker(run_dir, resume_step))
     return trackers

@@ -76,6 +76,22 @@ def test_wandb_offline_run_and_tensorboard_hold_the_jsonl_metrics(tmp_path: Path
     same_metrics(records, tensorboard_scalars(tmp_path / "tensorboard"), rel=1e-6)
 
 
+def test_a_resumed_run_logs_to_the_same_wandb_run_and_a_fresh_one_to_a_new_run(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path, wandb_mode="offline", log_format="json")
+    run_ids = []
+    for resume_step in (None, 1, None):
+        logger = MetricsLogger(cfg, tmp_path, resume_step=resume_step)
+        logger.log(2, {"reward/mean": 0.5})
+        logger.close()
+        (run,) = {p for p in (tmp_path / "wandb").glob("offline-run-*")} - set(run_ids)
+        run_ids.append(run)
+    # offline-run-<time>-<run id>[-n]: one directory per start; `wandb sync` merges one id's
+    ids = [run.name.split("-")[3] for run in run_ids]
+    assert ids[0] == ids[1] != ids[2]
+
+
 def test_resumed_tensorboard_log_hides_steps_after_the_checkpoint(tmp_path: Path) -> None:
     cfg = _config(tmp_path, tensorboard=True, log_format="json")
     first = MetricsLogger(cfg, tmp_path)
