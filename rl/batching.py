@@ -20,25 +20,23 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
     def padded(rows: list[list], width: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype)
 
-    def per_token(field: str) -> torch.Tensor | None:
-        """[B, T-1] of a per-response-token list field at the response's targets
-        (`response_targets`), or None if a sample lacks it."""
-        if any(getattr(s, field) is None for s in samples):
-            return None
+    def at_targets(values: list[list[float]]) -> torch.Tensor:
+        """[B, T-1] fp32 with each sample's per-response-token `values` at its response's
+        targets (`response_targets`), 0 elsewhere."""
         rows = []
-        for sample in samples:
-            values = getattr(sample, field)
-            assert len(values) == len(sample.response_ids), f"{field} is not per response token"
-            rows.append([0.0] * (len(sample.prompt_ids) - 1) + list(values))
+        for sample, row_values in zip(samples, values, strict=True):
+            assert len(row_values) == len(sample.response_ids), "not one value per response token"
+            rows.append([0.0] * (len(sample.prompt_ids) - 1) + list(row_values))
         return padded(rows, max_len - 1, 0.0, torch.float32)
 
+    def per_token(field: str) -> torch.Tensor | None:
+        """`at_targets` of a per-response-token list field, or None if a sample lacks it."""
+        if any(getattr(s, field) is None for s in samples):
+            return None
+        return at_targets([getattr(s, field) for s in samples])
+
     sequences = [s.prompt_ids + s.response_ids for s in samples]
-    loss_mask = padded(
-        [[0.0] * (len(s.prompt_ids) - 1) + [1.0] * len(s.response_ids) for s in samples],
-        max_len - 1,
-        0.0,
-        torch.float32,
-    )
+    loss_mask = at_targets([[1.0] * len(s.response_ids) for s in samples])
     behaviour = per_token("logprobs")
     old = per_token("old_logprobs")
     return Batch(

@@ -170,8 +170,7 @@ def verify(path: Path) -> dict:
 def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
     """(the newest checkpoint under `root` that verifies or None, why each newer one was
     skipped). A checkpoint a crashed rewrite left displaced is restored first."""
-    if root.is_dir():
-        restore_displaced(root)
+    restore_displaced(root)
     skipped = []
     for path in reversed(list_checkpoints(root)):
         try:

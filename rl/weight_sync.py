@@ -110,7 +110,7 @@ class WeightSync:
             if not pipelined:  # the sends complete as the receivers take them
                 write_stats = ray.get(writes)
             write_s += max(stat["seconds"] for stat in write_stats)
-            if bucket + 1 < num_buckets:
+            if not last:
                 # Shared memory: the other slot held bucket - 1, which everyone has applied.
                 writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
             num_bytes += max((bucket_bytes for bucket_bytes, _ in applied), default=0)

@@ -79,7 +79,7 @@ def shared_prompt_input(micro: Batch) -> ModelInput:
         input_ids.append(row_ids + [0] * padding)
         position_ids.append(row_positions + [0] * padding)
         segments.append(row_segments + [-1] * padding)
-    unpack = torch.tensor(unpack_index, dtype=torch.long).reshape(micro.num_sequences, num_steps)
+    unpack = torch.tensor(unpack_index, dtype=torch.long)
     unpack[unpack < 0] = len(targets)  # `unpack`'s zero for padding
     return ModelInput(
         torch.tensor(input_ids, dtype=micro.input_ids.dtype),
