@@ -50,8 +50,10 @@ def test_a_take_without_resets_sees_the_peak_and_cuda_free_processes_use_rss() -
     assert take_peak_memory_bytes() < base + SIZE // 2
 
 
-# Page faults of 10 forward/backward steps of an MLP of the time-to-accuracy model's width
-# (1,000 tokens, 128 -> 1024 -> 128), after 3 to warm up: activations of 0.5-4 MiB.
+# Page faults of 100 forward/backward steps of an MLP of the time-to-accuracy model's width
+# (1,000 tokens, 128 -> 1024 -> 128), after 30 to warm up: activations of 0.5-4 MiB. The heap
+# still grows now and then over the first steps (a few 1,000-fault steps in the first 30), so
+# a short window after a short warm-up measured 1,000 or 2,001 faults from run to run.
 _COUNT_FAULTS = """
 import resource, sys, torch
 from rl.memory import reuse_freed_host_memory
@@ -60,8 +62,8 @@ if sys.argv[1] == "reuse":
     assert reuse_freed_host_memory()
 mlp = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 128))
 x = torch.randn(1000, 128)
-for step in range(13):
-    if step == 3:
+for step in range(130):
+    if step == 30:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     mlp(x).square().sum().backward()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -81,6 +83,6 @@ def _page_faults(mode: str) -> int:
 
 
 def test_reusing_freed_host_memory_stops_steps_page_faulting_their_activations_in() -> None:
-    """Each step's activations come back from the heap instead of fresh pages (measured
-    5,163 faults against 1,000)."""
-    assert _page_faults("reuse") * 3 < _page_faults("default")
+    """Each step's activations come back from the heap instead of fresh pages (measured over
+    six runs: 0 to 1,128 faults against 29,617 to 53,282)."""
+    assert _page_faults("reuse") * 5 < _page_faults("default")
