@@ -8,6 +8,11 @@ on the same random batch, whose response lengths vary 4x, and runs 1 warm-up and
 train steps. The table gives the step time and `memory/trainer_peak_mb`: allocated CUDA memory
 at its peak (resident memory on CPU). One GPU means one rank, so hybrid sharding (which needs
 replicas) is not among them, and zero2 against zero3 differs only in the gathered layers.
+
+The last row is zero3 again, its state released to host memory after every step as in colocate
+mode (`PolicyTrainer.release_memory`) and brought back by the next: the allocated memory held
+between steps, with and without the release, and whether the released run's parameters after
+its steps equal the plain run's (parameter checksums).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ STRATEGIES = {
     "zero3, no activation checkpointing": {"activation_checkpointing": False},
     "zero3 + token budget + packing": {"packing": True},
 }
+RELEASED = "zero3, released between steps"
 
 
 def config(model_dir: Path, args: argparse.Namespace, overrides: dict) -> Config:
@@ -75,20 +81,39 @@ def spread_batch(args: argparse.Namespace, vocab: int) -> Batch:
     return Batch(input_ids, attention_mask, loss_mask, zeros, zeros, advantages)
 
 
-def measure(model_dir: Path, args: argparse.Namespace, overrides: dict, batch: Batch) -> dict:
+def allocated_mb() -> float:
+    """CUDA memory allocated now (NaN on CPU, where a release has nothing to free)."""
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else float("nan")
+
+
+def measure(
+    model_dir: Path, args: argparse.Namespace, overrides: dict, batch: Batch, release: bool = False
+) -> dict:
     trainer = PolicyTrainer(config(model_dir, args, overrides), 0, 1, "127.0.0.1", free_port())
     seconds, peaks = [], []
+    held_mb = released_mb = float("nan")
     for step in range(1 + args.steps):
         start = time.perf_counter()
-        metrics = trainer.train_step(batch)
+        metrics = trainer.train_step(batch)  # brings a released state back first
         if step:  # step 0 warms up
             seconds.append(time.perf_counter() - start)
             peaks.append(metrics["memory/trainer_peak_mb"])
+        held_mb = allocated_mb()
+        if release:
+            trainer.release_memory()
+            released_mb = allocated_mb()
+    checksum = trainer.parameter_checksum()
     trainer.close()
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"s_per_step": sum(seconds) / len(seconds), "peak_mb": max(peaks)}
+    return {
+        "s_per_step": sum(seconds) / len(seconds),
+        "peak_mb": max(peaks),
+        "held_mb": held_mb,
+        "released_mb": released_mb,
+        "checksum": checksum,
+    }
 
 
 def main() -> None:
@@ -108,12 +133,18 @@ def main() -> None:
         model_dir = build_model(shape, Path(tmp) / "model")
         batch = spread_batch(args, shape["vocab_size"])
         results = {label: measure(model_dir, args, o, batch) for label, o in STRATEGIES.items()}
+        results[RELEASED] = measure(model_dir, args, {}, batch, release=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (resident memory)"
     print(f"\n{device}, {args.sequences} sequences of {args.prompt_tokens} + "
           f"{args.new_tokens // 4}-{args.new_tokens} tokens, one rank\n")  # fmt: skip
-    print("| strategy | s/step | peak memory (MiB) |\n|---|---:|---:|")
-    for label, result in results.items():
-        print(f"| {label} | {result['s_per_step']:.2f} | {result['peak_mb']:,.0f} |")
+    print("| strategy | s/step | peak memory (MiB) | held between steps | after release |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in results.items():
+        print(f"| {label} | {r['s_per_step']:.2f} | {r['peak_mb']:,.0f} | {r['held_mb']:,.0f} "
+              f"| {r['released_mb']:,.0f} |")  # fmt: skip
+    plain, released = results["zero3"]["checksum"], results[RELEASED]["checksum"]
+    print(f"\nparameter checksum after the steps: zero3 {plain:.10e}, released {released:.10e} "
+          f"(relative difference {abs(released - plain) / plain:.1e})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ class CriticGroup:
         """Fit the values to batch.returns; critic/* metrics, already reduced over ranks."""
         return on_every_rank(self.workers, "train_step", batch)
 
+    def release_memory(self) -> None:
+        """Every rank moves its training state off its GPU until it next computes."""
+        ray.get([w.release_memory.remote() for w in self.workers])
+
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its shards of the critic and optimizer into `directory`."""
         ray.get([w.save_checkpoint.remote(str(directory)) for w in self.workers])

@@ -198,6 +198,7 @@ def _run(
             logger.print(f"resumed from {resume_from} at step {state.step}")
         metrics = _train_steps(cfg, scheduler, trainer_side, checkpoints, loop, state, stop)
         if cfg.run.export_hf and not stop.signal_name:
+            scheduler.devices_to_trainer()
             with trace.span("trainer", "checkpoint"):
                 export_dir = trainers.export_hf(run_dir / "hf")
             logger.print(f"final policy exported to {export_dir}")
@@ -237,6 +238,7 @@ def _train_steps(
         last = step == cfg.run.num_steps and cfg.checkpoint.save_final
         bad = state.num_nonfinite_in_a_row >= cfg.faults.max_nonfinite_steps
         if (every and step % every == 0) or last or stop.signal_name or bad:
+            scheduler.devices_to_trainer()
             with loop.trace.span("trainer", "checkpoint"):
                 path = checkpoints.save(state)
             logger.print(f"checkpoint written to {path}")

@@ -210,6 +210,11 @@ class TrainerSide:
     def push(self, version: int) -> dict[str, float]:
         return self.weight_sync.push(version)
 
+    def release_memory(self) -> None:
+        self.trainers.release_memory()
+        if self.critic is not None:
+            self.critic.release_memory()
+
     def replace_rollout_worker(self, worker: int, version: int) -> None:
         """A fresh rollout worker for a lost one, serving `version`. Like `push`, on the
         driver's thread while this side's thread is idle, so the ranks stream that version."""

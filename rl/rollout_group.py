@@ -108,6 +108,9 @@ class RolloutGroup:
         """Every engine frees its device memory for a colocated trainer (no-op on CPU)."""
         self._on_live_workers("release_memory")
 
+    def reclaim_weights(self) -> None:
+        self._on_live_workers("reclaim_weights")
+
     def reclaim_memory(self) -> None:
         self._on_live_workers("reclaim_memory")
 

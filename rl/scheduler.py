@@ -86,6 +86,8 @@ class Scheduler:
         self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
         self._partial: list[Group] = []  # groups with samples aborted by a sync
         self._interrupted = False
+        # Time-sliced devices: the trainer holds its state at the start, the engines theirs.
+        self._trainer_has_devices = True
         # Rollout workers lost while generating and not replaced yet, and the groups that
         # wait meanwhile (none start: a fresh worker must first get the rollout's weights).
         self._lost: set[int] = set()
@@ -114,6 +116,8 @@ class Scheduler:
     # -- generation ---------------------------------------------------------------------
 
     def _admit(self) -> None:
+        if self.settings.release_memory and self._trainer_busy():
+            return  # time-sliced devices: the trainer has them
         groups = []
         while (step := self.admission.next_step(self.rollout_version)) is not None:
             while self._num_groups in self._trained_ids:  # trained before a resume
@@ -138,6 +142,7 @@ class Scheduler:
             group.group_id: [s for s in group.samples if not s.finish_reason or s.is_partial]
             for group in groups
         }
+        self._devices_to_rollout()
         placed = self.rollout.submit(batches, self.sampling)
         for group in groups:
             worker = placed[group.group_id]
@@ -216,6 +221,31 @@ class Scheduler:
     def _is_generating(self) -> bool:
         return any(self._generating)
 
+    # -- time-sliced devices (settings.release_memory) ----------------------------------
+
+    def devices_to_trainer(self) -> None:
+        """For the driver's trainer work between steps (a checkpoint, the final export): on
+        time-sliced devices the engines let go of their memory first, and the next generation
+        takes it back. Time-sliced runs generate nothing between steps: a step trains once its
+        groups are in, and no sync interrupts a generation."""
+        if self.settings.release_memory:
+            assert not self._is_generating(), "the engines are generating between steps"
+            self._devices_to_trainer()
+
+    def _devices_to_trainer(self) -> None:
+        """The engines free their weights' and KV cache's memory before the trainer computes."""
+        if self.settings.release_memory and not self._trainer_has_devices:
+            self.rollout.release_memory()
+            self._trainer_has_devices = True
+
+    def _devices_to_rollout(self) -> None:
+        """The trainer's state leaves the devices before the engines' KV caches come back."""
+        if self.settings.release_memory and self._trainer_has_devices:
+            assert not self._trainer_busy(), "the trainer still computes on the devices"
+            self.trainer.release_memory()
+            self.rollout.reclaim_memory()
+            self._trainer_has_devices = False
+
     # -- lost rollout workers -----------------------------------------------------------
 
     def _worker_lost(self, worker: int) -> None:
@@ -245,6 +275,8 @@ class Scheduler:
         if not self._lost or self._trainer_busy() or self._sync_pending():
             return
         self._replace(self.rollout_version)
+        if self.settings.release_memory:  # streaming its weights brought the trainer's back
+            self.trainer.release_memory()
         held, self._held = self._held, []
         self._generate(held)
 
@@ -266,20 +298,22 @@ class Scheduler:
         if step > self.settings.num_steps:
             return
         kept = self._kept.get(step, [])
+        if self.settings.release_memory and self._is_generating():
+            return  # time-sliced devices: the engines have them
         if self.trainer.needs_annotation:
             # Only at version step - 1 (now): these are the proximal policy's log-probs.
             todo = [group for group in kept if not group.annotated]
             if todo:
                 self.trace.begin("trainer", "logprobs", step)
                 samples = [sample for group in todo for sample in group.samples]
+                self._devices_to_trainer()
                 self._pending[self.trainer.annotate(samples)] = ("annotate", todo)
                 return
         if self._sync_pending() or not self.admission.is_complete(step):
             return
         samples = [sample for group in kept for sample in group.samples]
         scores = [score for group in kept for score in group.scores]
-        if self.settings.release_memory and not self._is_generating():
-            self.rollout.release_memory()
+        self._devices_to_trainer()
         self.trace.begin("trainer", "train", step)
         self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
 
@@ -323,9 +357,10 @@ class Scheduler:
         sync_start = time.perf_counter()
         if self._lost:  # fresh engines on the base weights: the push brings them to `version`
             self._replace(0)
-        if self.settings.release_memory:
-            self.rollout.reclaim_memory()
+        if self.settings.release_memory:  # the engines load weights, the trainer holds its own
+            self.rollout.reclaim_weights()
         metrics = self.trainer.push(version)
+        self._devices_to_rollout()
         # Lost during the push (weight_sync/workers_replaced) or generating since the last
         # step (rollout/workers_replaced): both count against max_rollout_restarts.
         lost_in_sync = int(metrics.get("weight_sync/workers_replaced", 0))

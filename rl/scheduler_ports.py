@@ -71,9 +71,14 @@ class RolloutPort(Protocol):
     def interrupt(self) -> int:
         """Abort what every live worker generates (a dead one is skipped: its poll tells)."""
 
-    def release_memory(self) -> None: ...
+    def release_memory(self) -> None:
+        """Free the engines' weights and KV cache on the devices (time-sliced GPUs)."""
 
-    def reclaim_memory(self) -> None: ...
+    def reclaim_weights(self) -> None:
+        """Take the weights' memory back, not the KV cache's, for a weight push."""
+
+    def reclaim_memory(self) -> None:
+        """Take all of it back, to generate."""
 
 
 class TrainerPort(Protocol):
@@ -82,6 +87,10 @@ class TrainerPort(Protocol):
     def annotate(self, samples: list[Sample]) -> Future: ...
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
+
+    def release_memory(self) -> None:
+        """Move the training state off the devices (time-sliced GPUs); the next call that
+        computes brings it back."""
 
     def push(self, version: int) -> dict[str, float]:
         """Every rollout worker serves `version` on return; workers lost during the transfer

@@ -222,6 +222,9 @@ class TorchEngine:
         """Nothing to hand over: the engine runs on CPU (see VLLMEngine.release_memory)."""
         return False
 
+    def reclaim_weights(self) -> None:
+        """Nothing was released."""
+
     def reclaim_memory(self) -> None:
         """Nothing was released."""
 

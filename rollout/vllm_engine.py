@@ -99,7 +99,7 @@ class VLLMEngine:
         args = engine_args(model_path, cfg, dtype, seed)
         self._cfg = cfg
         self._can_sleep = args["enable_sleep_mode"]
-        self._asleep = False
+        self._sleeping: set[str] = set()  # vLLM's memory tags released: "weights", "kv_cache"
         self._vllm_sampling_params = vllm.SamplingParams
         self._llm = vllm.LLM(**args)
         self._tokenizer = self._llm.get_tokenizer()
@@ -260,7 +260,7 @@ class VLLMEngine:
         """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
         the busiest TP rank. Until `finish_weight_update` the engine refuses to serve."""
         self._check_idle("a weight update")
-        self.reclaim_memory()
+        self.reclaim_weights()
         self._updating_to = version
         return max(self._llm.collective_rpc("tandem_apply_bucket", args=(bucket,)))
 
@@ -287,16 +287,23 @@ class VLLMEngine:
         """Hand the weights' and KV cache's device memory to a colocated trainer (weights go
         to host memory, the KV cache is dropped); returns whether anything was released."""
         self._check_idle("releasing memory")
-        if self._can_sleep and not self._asleep:
+        if self._can_sleep and not self._sleeping:
             self._llm.sleep(level=1)
-            self._asleep = True
-        return self._asleep
+            self._sleeping = {"weights", "kv_cache"}
+        return bool(self._sleeping)
+
+    def reclaim_weights(self) -> None:
+        """Take the weights' memory back but not the KV cache's: a weight update loads while
+        the colocated trainer still holds its state, which leaves before the cache returns."""
+        if "weights" in self._sleeping:
+            self._llm.wake_up(tags=["weights"])
+            self._sleeping.discard("weights")
 
     def reclaim_memory(self) -> None:
-        """Take the memory back (before generating or loading weights again)."""
-        if self._asleep:
-            self._llm.wake_up()
-            self._asleep = False
+        """Take all the memory back (before generating)."""
+        if self._sleeping:
+            self._llm.wake_up(tags=sorted(self._sleeping))
+            self._sleeping.clear()
 
     def take_peak_memory_bytes(self) -> int:
         """The largest TP rank's peak memory since the previous call (`rl.memory`'s
@@ -313,7 +320,7 @@ class VLLMEngine:
             )
 
     def _check_serving(self) -> None:
-        if self._asleep:
+        if self._sleeping:
             raise RuntimeError("this rollout engine released its memory: reclaim it first")
         if self._updating_to is not None:
             raise RuntimeError(

@@ -77,6 +77,9 @@ class RolloutWorker:
         """Free the engine's device memory while a colocated trainer runs (GPU only)."""
         return self._engine.release_memory()
 
+    async def reclaim_weights(self) -> None:
+        self._engine.reclaim_weights()
+
     async def reclaim_memory(self) -> None:
         self._engine.reclaim_memory()
 

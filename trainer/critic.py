@@ -25,6 +25,7 @@ from rl.types import Batch
 from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
 from trainer.loss_scale import loss_multiplier, loss_scale_for
+from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput
 from trainer.ranks import (
     adamw_with_warmup,
@@ -107,6 +108,14 @@ class ValueTrainer:
             cfg.critic.warmup_steps,
         )
         self.loss_scale = loss_scale_for(cfg.model.dtype)
+        self.residency = DeviceResidency(
+            self.device, [self.model], self.optimizer, cfg.trainer.offload
+        )
+
+    def release_memory(self) -> None:
+        """Hand this rank's device memory to a colocated rollout engine until the next call
+        that computes (`trainer.offload`)."""
+        self.residency.release()
 
     def _micro_batches(
         self, batch: Batch
@@ -119,6 +128,7 @@ class ValueTrainer:
 
         Collective: every rank must call it with the same batch; each computes its own rows.
         """
+        self.residency.ensure_on_device()
         pieces = []
         for micro, inputs, rows in self._micro_batches(batch):
             values = self.model(inputs)  # dummies run too
@@ -185,6 +195,7 @@ class ValueTrainer:
         if batch.returns is None or batch.old_values is None:
             raise ValueError("critic train_step needs batch.returns and batch.old_values")
         mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
+        self.residency.ensure_on_device()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         totals = dict.fromkeys(_SUMS, 0.0)
@@ -235,12 +246,14 @@ class ValueTrainer:
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's shards of the critic and its optimizer (collective)."""
+        self.residency.ensure_on_device()
         reshard(self.model)
         save_training_state(
             Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
         )
 
     def load_checkpoint(self, directory: str) -> None:
+        self.residency.ensure_on_device()
         load_training_state(
             Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
         )

@@ -43,6 +43,9 @@ class CriticWorker:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    def release_memory(self) -> None:
+        self.trainer.release_memory()
+
     def save_checkpoint(self, directory: str) -> None:
         self.trainer.save_checkpoint(directory)
 

@@ -30,6 +30,7 @@ from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
 from trainer.hf_model import save_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
+from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput
 from trainer.ranks import (
     StepResult,
@@ -90,6 +91,15 @@ class PolicyTrainer:
             cfg.trainer.weight_decay,
             cfg.trainer.warmup_steps,
         )
+        frozen = [] if self.reference is None else [self.reference]
+        self.residency = DeviceResidency(
+            self.device, [self.policy, *frozen], self.optimizer, cfg.trainer.offload
+        )
+
+    def release_memory(self) -> None:
+        """Hand this rank's device memory to a colocated rollout engine until the next call
+        that computes (`trainer.offload`)."""
+        self.residency.release()
 
     def _micro_batches(
         self, batch: Batch
@@ -110,6 +120,7 @@ class PolicyTrainer:
             module = self.reference
         else:
             raise ValueError(f"no {model!r} model (a reference exists when algorithm.kl_coef > 0)")
+        self.residency.ensure_on_device()
         pieces = []
         temperature = self.cfg.rollout.temperature
         for _, inputs, rows in self._micro_batches(batch):
@@ -199,6 +210,7 @@ class PolicyTrainer:
         and memory/trainer_peak_mb, the largest rank's peak during the step.
         """
         mini_batches = mini_batch_slices(batch.num_sequences, self.cfg.trainer.num_mini_batches)
+        self.residency.ensure_on_device()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
@@ -261,6 +273,7 @@ class PolicyTrainer:
     def write_weight_bucket(self, bucket: int) -> dict[str, float]:
         """Send this rank's rows of `bucket` (see `WeightSender.write`); not collective."""
         if bucket == 0:
+            self.residency.ensure_on_device()
             reshard(self.policy)  # the sender reads the shards
         return self.sender.write(bucket)
 
@@ -269,6 +282,7 @@ class PolicyTrainer:
 
         Collective: the full state dict is gathered to rank 0's CPU; rank 0 writes atomically.
         """
+        self.residency.ensure_on_device()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.policy.model, options=options)
         if self.rank == 0:
@@ -279,11 +293,13 @@ class PolicyTrainer:
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's shards of the policy and its optimizer into `directory`
         (collective; the frozen reference is the model.path checkpoint and is not saved)."""
+        self.residency.ensure_on_device()
         reshard(self.policy)
         save_training_state(Path(directory), self.rank, *self._checkpointed())
 
     def load_checkpoint(self, directory: str) -> None:
         """Continue from what `save_checkpoint` wrote (collective)."""
+        self.residency.ensure_on_device()
         load_training_state(Path(directory), self.rank, *self._checkpointed())
 
     def _checkpointed(self) -> tuple:
@@ -293,6 +309,7 @@ class PolicyTrainer:
     def parameter_checksum(self) -> float:
         """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe.
         Each shard is held by `num_replicas` ranks (hybrid, none): counted once."""
+        self.residency.ensure_on_device()
         local = sum(
             (p.to_local() if isinstance(p, DTensor) else p).detach().double().square().sum()
             for p in self.policy.parameters()

@@ -44,6 +44,9 @@ class TrainWorker:
     def train_step(self, batch: Batch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    def release_memory(self) -> None:
+        self.trainer.release_memory()
+
     def export_hf(self, out_dir: str) -> None:
         self.trainer.export_hf(out_dir)
 

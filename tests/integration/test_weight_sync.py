@@ -166,7 +166,13 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     _large_update(setup)
     assert min(_gaps(setup)) > 1e-2  # the check sees stale weights
     version = 1 + max(setup.rollout.versions())
+    # The time-sliced handover's calls around a push (rl.scheduler), through every actor: on
+    # CPU nothing moves, but each call must reach its engine or rank.
+    setup.rollout.release_memory()
+    setup.rollout.reclaim_weights()
     metrics = setup.sync.push(version)
+    setup.trainers.release_memory()
+    setup.rollout.reclaim_memory()
     assert max(_gaps(setup)) < 1e-4
     assert setup.sync.transport == SETUPS[setup.name][7].replace("auto", "shared_memory")
     assert setup.rollout.versions() == [version] * len(setup.rollout.workers)

@@ -57,7 +57,12 @@ class FakeRollout:
         self.num_workers = num_workers
         self.versions = [0] * num_workers
         self.num_interrupts = 0
-        self.asleep = False
+        self.asleep = False  # the KV cache released
+        self.weights_asleep = False
+        # Time-sliced devices: generating, or the KV cache coming back, while the trainer's
+        # state is on the devices would not fit.
+        self.time_sliced = False
+        self.trainer_on_device: Callable[[], bool] = lambda: False
         self.aborted_prefixes: dict[tuple[int, int], list[int]] = {}
         self.kill_chance, self.max_kills, self.kill_at_sync = kill_chance, max_kills, kill_at_sync
         self.dead = [False] * num_workers
@@ -78,6 +83,9 @@ class FakeRollout:
 
     def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
         assert not self.asleep, "generation started on an engine that released its memory"
+        assert not (self.time_sliced and self.trainer_on_device()), (
+            "generation started while the trainer's state was on the devices"
+        )
         placed = {}
         for key, samples in batches.items():
             worker = placed[key] = self.rng.randrange(self.num_workers)
@@ -184,13 +192,17 @@ class FakeRollout:
     def release_memory(self) -> None:
         with self._lock:
             assert self.num_active == 0, "memory released while samples were generating"
-        self.asleep = True
+        self.asleep = self.weights_asleep = True
+
+    def reclaim_weights(self) -> None:
+        self.weights_asleep = False
 
     def reclaim_memory(self) -> None:
-        self.asleep = False
+        assert not self.trainer_on_device(), "KV cache back while the trainer's state was there"
+        self.asleep = self.weights_asleep = False
 
     def serve(self, version: int) -> None:
-        assert not self.asleep, "weights loaded into an engine that released its memory"
+        assert not self.weights_asleep, "weights loaded into an engine that released them"
         with self._lock:
             assert self.num_active == 0, "weights changed while samples were generating"
             assert not any(self.dead), "weights pushed while a lost worker was not replaced"
@@ -206,12 +218,17 @@ class FakeTrainer:
     trained: dict[int, list[Sample]] = field(default_factory=dict)
     version: int = 0
     rollout_asleep_at_train: list[bool] = field(default_factory=list)
+    # Whether the engines' KV caches were released at each annotate and train call.
+    rollout_asleep_when_computing: list[bool] = field(default_factory=list)
+    on_device: bool = True  # the training state; the first call that computes brings it back
+    num_releases: int = 0
+    num_checkpoints: int = 0
     replacements: list[tuple[int, int]] = field(default_factory=list)  # (worker, version)
     running: int = 0  # annotate and train calls not returned yet
 
     def annotate(self, samples: list[Sample]) -> Future:
         version = self.version
-        self.running += 1
+        self._compute()
 
         def fill() -> list[Sample]:
             for sample in samples:
@@ -225,11 +242,10 @@ class FakeTrainer:
         assert step == self.version + 1
         assert len(scores) == len(samples)
         self.rollout_asleep_at_train.append(self.rollout.asleep)
+        self._compute()
         if self.needs_annotation:
             # The proximal log-probs come from the weights right before this step.
             assert all(s.old_logprobs == [float(step - 1)] * len(s.response_ids) for s in samples)
-
-        self.running += 1
 
         def step_done() -> dict[str, float]:
             self.trained[step] = samples
@@ -241,8 +257,26 @@ class FakeTrainer:
 
         return _later(self.rng, 3, step_done)
 
+    def _compute(self) -> None:
+        self.rollout_asleep_when_computing.append(self.rollout.asleep)
+        self.on_device = True
+        self.running += 1
+
+    def release_memory(self) -> None:
+        assert not self.running, "the trainer's state moved while it computed"
+        self.on_device = False
+        self.num_releases += 1
+
+    def save_checkpoint(self) -> None:
+        assert not self.running, "a checkpoint of a trainer still computing"
+        if self.rollout.time_sliced:
+            assert self.rollout.asleep, "the trainer's state came back beside the KV cache"
+        self.on_device = True
+        self.num_checkpoints += 1
+
     def push(self, version: int) -> dict[str, float]:
         assert version == self.version
+        self.on_device = True  # the sender reads the weights
         self.rollout.serve(version)
         return {"sync/s": 0.0}
 
@@ -251,6 +285,7 @@ class FakeTrainer:
         assert not self.running, "a rollout worker replaced while the trainer was running"
         assert version in (0, self.version), f"replaced at {version}, trainer at {self.version}"
         self.replacements.append((worker, version))
+        self.on_device = True
         self.rollout.replace(worker, version)
 
 

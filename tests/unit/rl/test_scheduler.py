@@ -52,6 +52,8 @@ def _run(
     rollout.versions = [start_version] * rollout.num_workers
     trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
     rollout.trainer_version = lambda: trainer.version
+    rollout.time_sliced = release_memory
+    rollout.trainer_on_device = lambda: trainer.on_device
 
     drawn: list[int] = []  # group ids in the order their prompts were drawn
 
@@ -86,6 +88,8 @@ def _run(
                 metrics["resume/first_group"] = float(first)
                 metrics["resume/trained_ids"] = scheduler.trained_from(first)
                 logged.append((step, metrics))
+                scheduler.devices_to_trainer()  # as the driver does before a checkpoint
+                trainer.save_checkpoint()
         except Exception as error:  # raised on the test's thread
             errors.append(error)
 
@@ -216,14 +220,40 @@ def test_abort_resumes_interrupted_samples_with_newer_tokens() -> None:
     assert resumed > 0, "no run interrupted a generation: the abort path went untested"
 
 
-def test_time_sliced_engines_release_their_memory_for_every_training_step() -> None:
+def test_time_sliced_engines_and_trainer_take_turns_holding_the_devices() -> None:
+    # The fakes assert the rest at every call: no generation, and no KV cache back, while the
+    # trainer's state is on the devices; weights loaded only once the engines have them back.
     for seed in range(6):
         _, rollout, trainer, logged = _run(
             seed, k=0, partial="finish", dynamic=seed % 2 == 1, annotate=True, release_memory=True
         )
         assert len(logged) == 5
         assert trainer.rollout_asleep_at_train == [True] * 5
-        assert not rollout.asleep  # woken for the last sync
+        assert all(trainer.rollout_asleep_when_computing)
+        assert len(trainer.rollout_asleep_when_computing) >= 10  # annotate and train each step
+        assert trainer.num_releases >= 5  # after every push
+        # The run ends on a checkpoint (one after every step here): the devices are the trainer's.
+        assert trainer.num_checkpoints == 5
+        assert rollout.asleep and trainer.on_device
+
+
+def test_time_sliced_devices_go_back_to_the_engines_after_a_lost_worker_is_replaced() -> None:
+    replaced = 0
+    for seed in range(8):
+        _, rollout, trainer, logged = _run(
+            seed,
+            k=0,
+            partial="finish",
+            dynamic=False,
+            annotate=True,
+            release_memory=True,
+            kill_chance=0.3,
+            max_kills=2,
+        )
+        assert len(logged) == 5
+        assert all(trainer.rollout_asleep_when_computing)
+        replaced += len(trainer.replacements)
+    assert replaced > 0, "no worker was lost: the replacement path went untested"
 
 
 def test_workers_lost_as_a_sync_comes_due_are_replaced_by_the_sync() -> None:
