@@ -27,6 +27,7 @@ import torch
 
 from rl.admission import Admission
 from rl.algorithms import dynamic_sampling_keep
+from rl.device_turns import DeviceTurns
 from rl.groups import Group, step_metrics
 from rl.scheduler_ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
 from rl.trace import Trace
@@ -86,8 +87,7 @@ class Scheduler:
         self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
         self._partial: list[Group] = []  # groups with samples aborted by a sync
         self._interrupted = False
-        # Time-sliced devices: the trainer holds its state at the start, the engines theirs.
-        self._trainer_has_devices = True
+        self.turns = DeviceTurns(settings.release_memory, rollout, trainer)
         # Rollout workers lost while generating and not replaced yet, and the groups that
         # wait meanwhile (none start: a fresh worker must first get the rollout's weights).
         self._lost: set[int] = set()
@@ -142,7 +142,7 @@ class Scheduler:
             group.group_id: [s for s in group.samples if not s.finish_reason or s.is_partial]
             for group in groups
         }
-        self._devices_to_rollout()
+        self.turns.to_rollout()
         placed = self.rollout.submit(batches, self.sampling)
         for group in groups:
             worker = placed[group.group_id]
@@ -221,30 +221,13 @@ class Scheduler:
     def _is_generating(self) -> bool:
         return any(self._generating)
 
-    # -- time-sliced devices (settings.release_memory) ----------------------------------
-
     def devices_to_trainer(self) -> None:
         """For the driver's trainer work between steps (a checkpoint, the final export): on
         time-sliced devices the engines let go of their memory first, and the next generation
         takes it back. Time-sliced runs generate nothing between steps: a step trains once its
         groups are in, and no sync interrupts a generation."""
-        if self.settings.release_memory:
-            assert not self._is_generating(), "the engines are generating between steps"
-            self._devices_to_trainer()
-
-    def _devices_to_trainer(self) -> None:
-        """The engines free their weights' and KV cache's memory before the trainer computes."""
-        if self.settings.release_memory and not self._trainer_has_devices:
-            self.rollout.release_memory()
-            self._trainer_has_devices = True
-
-    def _devices_to_rollout(self) -> None:
-        """The trainer's state leaves the devices before the engines' KV caches come back."""
-        if self.settings.release_memory and self._trainer_has_devices:
-            assert not self._trainer_busy(), "the trainer still computes on the devices"
-            self.trainer.release_memory()
-            self.rollout.reclaim_memory()
-            self._trainer_has_devices = False
+        assert not (self.turns.enabled and self._is_generating()), "generating between steps"
+        self.turns.to_trainer()
 
     # -- lost rollout workers -----------------------------------------------------------
 
@@ -275,8 +258,6 @@ class Scheduler:
         if not self._lost or self._trainer_busy() or self._sync_pending():
             return
         self._replace(self.rollout_version)
-        if self.settings.release_memory:  # streaming its weights brought the trainer's back
-            self.trainer.release_memory()
         held, self._held = self._held, []
         self._generate(held)
 
@@ -306,14 +287,14 @@ class Scheduler:
             if todo:
                 self.trace.begin("trainer", "logprobs", step)
                 samples = [sample for group in todo for sample in group.samples]
-                self._devices_to_trainer()
+                self.turns.to_trainer()
                 self._pending[self.trainer.annotate(samples)] = ("annotate", todo)
                 return
         if self._sync_pending() or not self.admission.is_complete(step):
             return
         samples = [sample for group in kept for sample in group.samples]
         scores = [score for group in kept for score in group.scores]
-        self._devices_to_trainer()
+        self.turns.to_trainer()
         self.trace.begin("trainer", "train", step)
         self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
 
@@ -357,10 +338,9 @@ class Scheduler:
         sync_start = time.perf_counter()
         if self._lost:  # fresh engines on the base weights: the push brings them to `version`
             self._replace(0)
-        if self.settings.release_memory:  # the engines load weights, the trainer holds its own
-            self.rollout.reclaim_weights()
+        self.turns.for_push()
         metrics = self.trainer.push(version)
-        self._devices_to_rollout()
+        self.turns.to_rollout()
         # Lost during the push (weight_sync/workers_replaced) or generating since the last
         # step (rollout/workers_replaced): both count against max_rollout_restarts.
         lost_in_sync = int(metrics.get("weight_sync/workers_replaced", 0))
