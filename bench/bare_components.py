@@ -7,14 +7,14 @@ On the throughput workload (bench/recipes/throughput_25m.yaml: a random ~25M Qwe
 prompts x 8 samples, up to 128 new tokens at temperature 1 ending at a sampled EOS):
 
 - rollout: bare `vllm.LLM.generate`, built with VLLMEngine's own engine arguments
-  (rollout.vllm_engine.engine_args) and asked for what Tandem asks (per-request seeds, one
-  behaviour log-prob per token, no detokenisation), against the driver's RolloutGroup of one
+  (rollout.engines.vllm_engine.engine_args) and asked for what Tandem asks (per-request seeds, one
+  behaviour log-prob per token, no detokenisation), against the driver's RolloutReplicas of one
   RolloutWorker Ray actor, used two ways: the blocking `generate` (evaluation), and `submit`
   of one batch per prompt group then `poll` until all are back (training). Response tokens/s;
   both engines live at once and the three sides take turns each round.
 - trainer at W = 1: a plain PyTorch loop (HF model, full logits, AdamW, the GRPO clipped
   surrogate with token-mean aggregation, grad clip, one step per batch) against the driver's
-  TrainGroup of one TrainWorker rank (FSDP2 on gloo, the fused log-prob kernel) and its
+  PolicyRanks of one TrainWorker rank (FSDP2 on gloo, the fused log-prob kernel) and its
   train_step, on the same padded batch of prompt + random-length responses. Trained tokens/s
   (prompt + response, no padding).
 
@@ -41,17 +41,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kernels.attention import ATTENTION
-from rl.batching import build_batch
+from rl.base.build import ensure_base
+from rl.cluster.placement import plan_placement
+from rl.cluster.rollout_replicas import RolloutReplicas
+from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
-from rl.data import load_examples
-from rl.placement import plan_placement
-from rl.prompts import encode_prompts
-from rl.recipe import load_config
-from rl.rollout_group import RolloutGroup
-from rl.train_group import TrainGroup
+from rl.config.recipe import load_config
+from rl.data.loading import load_examples
+from rl.data.prompts import encode_prompts
+from rl.run.batching import build_batch
 from rl.types import Batch, Sample, SamplingParams, fresh_samples
-from rollout.vllm_engine import _configure_environment, engine_args
-from trainer.base_model import ensure_base
+from rollout.engines.vllm_engine import _configure_environment, engine_args
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "bench" / "recipes" / "throughput_25m.yaml"
@@ -81,14 +81,8 @@ def timed_rounds(sides: dict, rounds: int) -> dict[str, dict]:
 
 
 def sampling(cfg: Config) -> SamplingParams:
-    """What the driver asks of the rollout in training (rl.driver's _Loop.sampling)."""
-    return SamplingParams(
-        n=cfg.algorithm.group_size,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=cfg.run.seed * 100_003,
-    )
+    """What the driver asks of the rollout in training."""
+    return SamplingParams.for_training(cfg)
 
 
 def bare_engine(cfg: Config, prompts: list[list[int]], params: SamplingParams):
@@ -125,10 +119,10 @@ def bare_engine(cfg: Config, prompts: list[list[int]], params: SamplingParams):
 
 
 class WholeMachine:
-    """The rl.cluster.Placement the groups below are built on: every actor gets all
+    """The rl.cluster.reservation.Placement the groups below are built on: every actor gets all
     `num_cpus` CPUs. (A real colocated run gives each actor a share of a 1-CPU bundle, so Ray
     would give it one OpenMP thread where the bare side gets `num_cpus`.) Its plan is one
-    node group of `num_cpus` bundles: RolloutGroup sizes a time-sliced engine's threads from
+    node block of `num_cpus` bundles: RolloutReplicas sizes a time-sliced engine's threads from
     it, and the recipe's own pool (as many bundles as trainer ranks) would give one thread at
     W = 1, where the bare engine gets `num_cpus` (the 60% "overhead" of an earlier run)."""
 
@@ -137,15 +131,15 @@ class WholeMachine:
     def __init__(self, cfg: Config, num_cpus: int) -> None:
         plan = plan_placement(cfg)
         bundles = list(range(max(num_cpus, plan.num_devices)))
-        self.plan = dataclasses.replace(plan, num_devices=len(bundles), node_groups=[bundles])
+        self.plan = dataclasses.replace(plan, num_devices=len(bundles), node_blocks=[bundles])
         self._num_cpus = num_cpus
 
     def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
         return {"num_cpus": self._num_cpus}
 
 
-def tandem_rounds(rollout: RolloutGroup, prompts: list[list[int]], params: SamplingParams):
-    """Round functions on the driver's RolloutGroup: the blocking `generate` (evaluation), and
+def tandem_rounds(rollout: RolloutReplicas, prompts: list[list[int]], params: SamplingParams):
+    """Round functions on the driver's RolloutReplicas: the blocking `generate` (evaluation), and
     the training path, one `submit`ted batch per prompt group, then `poll`s until every batch
     is back (as the scheduler does)."""
     responses: dict[str, list[list[int]]] = {"generate": [], "streamed": []}
@@ -172,7 +166,7 @@ def tandem_rounds(rollout: RolloutGroup, prompts: list[list[int]], params: Sampl
 def measure_rollout(cfg: Config, prompts: list[list[int]], rounds: int, threads: int) -> dict:
     params = sampling(cfg)
     start = time.perf_counter()
-    rollout = RolloutGroup(cfg, WholeMachine(cfg, threads), num_roles_sharing=1)
+    rollout = RolloutReplicas(cfg, WholeMachine(cfg, threads), num_roles_sharing=1)
     tandem_startup_s = time.perf_counter() - start
     bare, bare_responses, bare_startup_s = bare_engine(cfg, prompts, params)
     generate, streamed, tandem_responses = tandem_rounds(rollout, prompts, params)
@@ -248,9 +242,9 @@ def bare_trainer(cfg: Config, batch: Batch, threads: int):
 
 
 def tandem_trainer(cfg: Config, batch: Batch, threads: int):
-    """The driver's TrainGroup of one rank and its train_step; also keeps the rank's own
+    """The driver's PolicyRanks of one rank and its train_step; also keeps the rank's own
     tokens/s of each step, to tell Ray's share of the overhead from the rank's."""
-    trainers = TrainGroup(cfg, WholeMachine(cfg, threads), num_roles_sharing=1)
+    trainers = PolicyRanks(cfg, WholeMachine(cfg, threads), num_roles_sharing=1)
     inside: list[float] = []
 
     def step() -> int:
@@ -286,9 +280,9 @@ def table(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     pairs = [
-        ("rollout", "bare", "tandem_generate", "rollout: LLM.generate vs RolloutGroup.generate"),
+        ("rollout", "bare", "tandem_generate", "rollout: LLM.generate vs RolloutReplicas.generate"),
         ("rollout", "bare", "tandem_streamed", "rollout: LLM.generate vs submit + poll"),
-        ("trainer", "bare", "tandem", "trainer W=1: PyTorch loop vs TrainGroup.train_step"),
+        ("trainer", "bare", "tandem", "trainer W=1: PyTorch loop vs PolicyRanks.train_step"),
     ]
     for part, bare, tandem, label in pairs:
         if part not in results:

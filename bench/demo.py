@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from rl.recipe import load_config
+from rl.config.recipe import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

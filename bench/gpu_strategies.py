@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from gpu_trainer import SHAPES, build_model, free_port
 
+from rl.algorithms.objective import Objective
 from rl.config import Config
 from rl.types import Batch
 from trainer.policy import PolicyTrainer
@@ -89,7 +90,8 @@ def allocated_mb() -> float:
 def measure(
     model_dir: Path, args: argparse.Namespace, overrides: dict, batch: Batch, release: bool = False
 ) -> dict:
-    trainer = PolicyTrainer(config(model_dir, args, overrides), 0, 1, "127.0.0.1", free_port())
+    cfg = config(model_dir, args, overrides)
+    trainer = PolicyTrainer(cfg, Objective.from_config(cfg), 0, 1, "127.0.0.1", free_port())
     seconds, peaks = [], []
     held_mb = released_mb = float("nan")
     for step in range(1 + args.steps):

@@ -9,7 +9,7 @@ one-rank weight sync), recomputes old log-probs, and trains one GRPO step (FSDP2
 rank, bf16 compute with fp32 master weights, the fused Triton log-prob kernel, activation
 checkpointing). Rewards are random, so advantages are non-zero and every token trains.
 It prints a markdown table for docs/benchmarks.md: seconds per phase, generated and trained
-tokens/s, the trainer's model FLOPs utilisation (rl.flops: 6 N FLOPs per trained token plus
+tokens/s, the trainer's model FLOPs utilisation (rl.observe.flops: 6 N FLOPs per trained token plus
 attention, against the device's dense bf16 peak) and peak GPU memory.
 """
 
@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from rl.algorithms.objective import Objective
+from rl.cluster.memory_plan import ModelShape
 from rl.config import Config
-from rl.flops import peak_flops, train_flops_per_token
-from rl.memory_plan import ModelShape
+from rl.observe.flops import peak_flops, train_flops_per_token
 from rl.types import Batch
 from trainer.policy import PolicyTrainer
 
@@ -136,7 +137,7 @@ def main() -> None:
         model_dir = build_model(shape_dict, Path(tmp) / "model")
         shape = ModelShape.read(model_dir)
         cfg = _config(model_dir, args)
-        trainer = PolicyTrainer(cfg, 0, 1, "127.0.0.1", free_port())
+        trainer = PolicyTrainer(cfg, Objective.from_config(cfg), 0, 1, "127.0.0.1", free_port())
         rollout_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         rollout_model.to(trainer.device).eval()
         rows = []

@@ -25,7 +25,7 @@ def _child(path: str, num_tokens: int, dim: int, vocab: int) -> dict:
     import torch
 
     from kernels import logprobs, naive_logprobs
-    from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     torch.manual_seed(0)
     hidden = (torch.randn(num_tokens, dim) * 0.05).requires_grad_()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from render_trace import main as render_trace
 
-from rl.recipe import load_config
-from rl.trace import load_chrome
+from rl.config.recipe import load_config
+from rl.observe.trace import load_chrome
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/grpo_addition_cpu.yaml"

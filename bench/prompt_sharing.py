@@ -6,7 +6,7 @@ side in one run, on the time-to-accuracy workload.
 The model and trainer of bench/recipes/time_to_accuracy.yaml (the ~1M SFT base, bf16 compute,
 one rank of one thread, one micro-batch of 128 rows), 16 prompts x 8 samples with responses
 drawn as bench/trainer_batching.py draws them (uniform in [max_new_tokens / 4,
-max_new_tokens]). Each side is the driver's TrainGroup (a real Ray actor, FSDP2 on gloo)
+max_new_tokens]). Each side is the driver's PolicyRanks (a real Ray actor, FSDP2 on gloo)
 running train_step on the same batch, taking turns each round (1 warm-up + --rounds timed).
 Positions are what the decoder computes (rows x width of every micro-batch's model input);
 tokens/s counts real tokens, the same for both sides. Results go to

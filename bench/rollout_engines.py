@@ -27,13 +27,13 @@ from bare_components import sampling, timed_rounds
 from docs_section import write_section
 from transformers import AutoTokenizer
 
+from rl.base.build import ensure_base
 from rl.config import Config
-from rl.data import load_examples
-from rl.prompts import encode_prompts
-from rl.recipe import load_config
+from rl.config.recipe import load_config
+from rl.data.loading import load_examples
+from rl.data.prompts import encode_prompts
 from rl.types import fresh_samples
-from rollout.engines import ENGINES, build_engine
-from trainer.base_model import ensure_base
+from rollout.engines.registry import ENGINES, build_engine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / ".cache" / "bench" / "rollout_engines.json"

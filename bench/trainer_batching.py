@@ -7,7 +7,7 @@ micro-batches, side by side in one run.
 The model and workload of bench/recipes/throughput_25m.yaml (a random ~25M Qwen2 in bf16
 compute, 32 prompts x 8 samples) on 2 FSDP2 ranks of one thread (`TWO_RANKS`), with response
 lengths drawn uniformly from [max_new_tokens / 4, max_new_tokens]: a 4x spread. Each side is
-the driver's TrainGroup (real Ray actors, FSDP2 on gloo) running train_step on the same batch:
+the driver's PolicyRanks (real Ray actors, FSDP2 on gloo) running train_step on the same batch:
 
 - padded: trainer.micro_batch_size sequences per micro-batch, in order, padded to the longest;
 - budget: trainer.micro_batch_tokens=--tokens, rows dealt to the ranks by Karmarkar-Karp, each
@@ -33,14 +33,14 @@ from bare_components import WholeMachine, timed_rounds
 from docs_section import write_section
 from transformers import AutoConfig, AutoTokenizer
 
-from rl.batching import build_batch
+from rl.base.build import ensure_base
+from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
-from rl.data import load_examples
-from rl.prompts import encode_prompts
-from rl.recipe import load_config
-from rl.train_group import TrainGroup
+from rl.config.recipe import load_config
+from rl.data.loading import load_examples
+from rl.data.prompts import encode_prompts
+from rl.run.batching import build_batch
 from rl.types import Batch, fresh_samples
-from trainer.base_model import ensure_base
 from trainer.micro_batching import pack_rows, plan_micro_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,11 +68,11 @@ def spread_batch(cfg: Config, prompts: list[list[int]], pad_id: int, vocab: int)
 
 
 def side(cfg: Config, batch: Batch, **trainer: object):
-    """A TrainGroup with `trainer` overrides and its round function (real tokens trained)."""
+    """A PolicyRanks with `trainer` overrides and its round function (real tokens trained)."""
     cfg = cfg.model_copy(deep=True)
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
-    group = TrainGroup(cfg, WholeMachine(cfg, 1), num_roles_sharing=1)
+    group = PolicyRanks(cfg, WholeMachine(cfg, 1), num_roles_sharing=1)
     inside: list[float] = []
 
     def step() -> int:
@@ -99,9 +99,9 @@ def recipe_batch(recipe: Path, run_name: str, overrides: list[str]) -> tuple[Con
 def run_sides(
     cfg: Config, batch: Batch, trainers: dict[str, dict], rounds: int
 ) -> tuple[dict[str, dict], dict[str, float]]:
-    """A TrainGroup per side (its trainer.* overrides in `trainers`), all alive at once and
+    """A PolicyRanks per side (its trainer.* overrides in `trainers`), all alive at once and
     taking turns on `batch` (`timed_rounds`); returns the runs and each side's median tokens/s
-    inside its ranks (the TrainGroup's Ray overhead left out)."""
+    inside its ranks (the PolicyRanks's Ray overhead left out)."""
     # Every side's ranks exist at once: a logical CPU for each.
     ray.init(
         address="local",
@@ -200,7 +200,7 @@ def main() -> None:
             name: positions(lengths.tolist(), cfg, **overrides(args.tokens))
             for name, (overrides, _) in SIDES.items()
         },
-        # the ranks' own tokens/s (TrainGroup's Ray overhead left out)
+        # the ranks' own tokens/s (PolicyRanks's Ray overhead left out)
         "inside_rank_tokens_per_s": inside,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,8 @@ from pathlib import Path
 import psutil
 from docs_section import write_section
 
-from rl.data import prepare_splits
-from rl.recipe import load_config
+from rl.config.recipe import load_config
+from rl.data.loading import prepare_splits
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PYTHON = REPO / ".venv-bench" / "bin" / "python"

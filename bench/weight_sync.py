@@ -45,7 +45,7 @@ def build_model() -> Path:
     if (MODEL_DIR / "config.json").exists():
         return MODEL_DIR
     sys.path.insert(0, str(REPO))
-    from tests.conftest import build_checkpoint
+    from tests.helpers.models import build_checkpoint
 
     return build_checkpoint(MODEL_DIR, "qwen2", True, **QWEN25_05B)
 
@@ -53,11 +53,11 @@ def build_model() -> Path:
 def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> dict:
     import ray
 
-    from rl.cluster import reserve
+    from rl.cluster.reservation import reserve
+    from rl.cluster.rollout_replicas import RolloutReplicas
+    from rl.cluster.trainer_ranks import PolicyRanks
     from rl.config import Config
-    from rl.rollout_group import RolloutGroup
-    from rl.train_group import TrainGroup
-    from rl.weight_sync import WeightSync
+    from rl.sync.weight_sync import WeightSync
 
     cfg = Config.model_validate(
         {
@@ -76,8 +76,8 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     placement = reserve(cfg)
     sharing = placement.plan.num_roles_sharing
-    rollout = RolloutGroup(cfg, placement, sharing)
-    trainers = TrainGroup(cfg, placement, sharing)
+    rollout = RolloutReplicas(cfg, placement, sharing)
+    trainers = PolicyRanks(cfg, placement, sharing)
     sync = WeightSync(cfg, trainers, rollout)
     runs = [sync.push(version) for version in range(1, num_syncs + 2)]  # 1: warm-up
     sync.close()
@@ -117,7 +117,7 @@ def _reload_floor(num_repeats: int = 3) -> dict:
     from safetensors.torch import load_file
 
     from rl.config import RolloutConfig
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(
         str(MODEL_DIR), RolloutConfig(kv_cache_gb=0.25, max_model_len=128), "float32", 0

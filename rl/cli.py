@@ -9,11 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-from rl.checkpoint import CheckpointError
-from rl.memory_plan import PlanDoesNotFit
-from rl.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
-from rl.resume import find_resume_point
-from rollout.engines import ENGINES
+from rl.checkpoint.resume import find_resume_point
+from rl.checkpoint.store import CheckpointError
+from rl.cluster.memory_plan import PlanDoesNotFit
+from rl.config.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
+from rollout.engines.registry import ENGINES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Heavy imports (torch, ray, vllm) only once the config is known to be good.
     if args.command == "build-base":
-        from trainer.base_model import build_base
+        from rl.base.build import build_base
 
         print(f"base checkpoint written to {build_base(cfg)}")
         return 0
-    from rl.driver import RunAborted, train
+    from rl.run.driver import RunAborted, train
 
     if args.address:
-        os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.init_ray joins
+        os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.reservation.init_ray joins
     try:
         train(cfg, resume_from)
     except RunAborted as exc:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(checkpoint: str, out_dir: str) -> int:
-    from rl.export import export_checkpoint
+    from rl.checkpoint.export import export_checkpoint
 
     try:
         path = export_checkpoint(Path(checkpoint), Path(out_dir))
@@ -161,7 +161,7 @@ def _export(checkpoint: str, out_dir: str) -> int:
 
 
 def _report(run_dir: str, out_dir: str | None) -> int:
-    from rl.report import ReportError, write_report
+    from rl.observe.report import ReportError, write_report
 
     try:
         summary = write_report(Path(run_dir), Path(out_dir) if out_dir else None)
@@ -173,8 +173,8 @@ def _report(run_dir: str, out_dir: str | None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """`rl eval` and `rl generate` (rl.offline_eval); bad input exits 2 before vLLM starts."""
-    from rl import offline_eval
+    """`rl eval` and `rl generate` (rl.run.offline_eval); bad input exits 2 before vLLM starts."""
+    from rl.run import offline_eval
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the results, not vLLM's warnings
     try:

@@ -3,19 +3,52 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from rl.config import Config
+
+
+# Seeds: a run with seed s samples with base seed s * RUN_SEED_STRIDE; sample k of group g draws
+# with base + g * n + k, moved on by RESUME_SEED_STRIDE per token of a resumed prefix. Group ids
+# are unique in a run, so no two samples share a seed, however prompts are spread over workers.
+RUN_SEED_STRIDE = 100_003
+RESUME_SEED_STRIDE = 1_000_003
 
 
 @dataclass
 class SamplingParams:
-    """How the rollout engine samples. Temperature is applied to logits as vLLM applies it."""
+    """How the rollout engine samples. Temperature is applied to logits as vLLM applies it.
 
+    Training's comes from the config (`for_training`); evaluation and tests state their own.
+    """
+
+    max_new_tokens: int
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 32
     seed: int | None = None
+
+    @classmethod
+    def for_training(cls, cfg: Config) -> SamplingParams:
+        """What the driver asks of the rollout engines in training."""
+        return cls(
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            n=cfg.algorithm.group_size,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=cfg.run.seed * RUN_SEED_STRIDE,
+        )
+
+    def seed_of(self, sample: Sample) -> int | None:
+        """The seed `sample` draws its next token with (None: unseeded), so a seeded batch
+        reproduces however prompts are spread over workers, and a resumed one continues."""
+        if self.seed is None:
+            return None
+        seed = self.seed + sample.group_id * self.n + sample.index
+        return seed + RESUME_SEED_STRIDE * len(sample.response_ids)
 
 
 @dataclass
@@ -37,7 +70,7 @@ class Sample:
     token_versions: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "stop" (EOS or stop string), "length", or "abort" (partial)
     response_text: str = ""
-    # Filled by the trainer side before training (see rl.experience): the proximal policy's
+    # Filled by the trainer side before training (see rl.run.experience): the proximal policy's
     # and the frozen reference's log-probs and the critic's values, one per response token.
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
@@ -67,7 +100,7 @@ def fresh_samples(prompts: list[list[int]], n: int, group_ids: list[int]) -> lis
 
 @dataclass
 class Batch:
-    """A padded training batch built from samples (see `rl.batching.build_batch`).
+    """A padded training batch built from samples (see `rl.run.batching.build_batch`).
 
     Shapes: B sequences, T = longest prompt+response in the batch. Position t of
     `input_ids` predicts `input_ids[t+1]`; per-token tensors are aligned to the *target*
@@ -101,6 +134,11 @@ class Batch:
             }
         )
 
+    def rows_with_advantage(self) -> torch.Tensor:
+        """Indices [R] of the rows whose advantage is non-zero on some loss-mask token."""
+        moving = (self.advantages != 0) & (self.loss_mask > 0)
+        return moving.any(dim=1).nonzero().flatten()
+
     def select(self, index: torch.Tensor | slice) -> Batch:
         """Rows `index` of every tensor (a micro- or mini-batch)."""
         return Batch(
@@ -111,12 +149,36 @@ class Batch:
         )
 
 
-@dataclass
-class StepMetrics:
-    """Flat `section/name` floats, merged across workers by the driver."""
+class PolicyObjective(Protocol):
+    """What the policy trainer minimises, handed to it by the driver (rl.algorithms.objective
+    builds it from the recipe), so the trainer knows no algorithm by name.
 
-    values: dict[str, float] = field(default_factory=dict)
+    Shapes as `Batch`: logprobs and entropy [B, T-1] under the current policy.
+    """
 
-    def update(self, section: str, **named: float) -> None:
-        for name, value in named.items():
-            self.values[f"{section}/{name}"] = float(value)
+    kl_in_loss: bool  # the loss has a KL-to-reference term (its metric is reported)
+    forward_correction: str | None  # an off-policy correction computed from the forward
+    zero_advantage_rows_are_inert: bool  # a row with advantage 0 everywhere has no gradient
+
+    def token_count(self, batch: Batch) -> float:
+        """The loss's denominator over the whole mini-batch `batch`."""
+        ...
+
+    def loss(
+        self, logprobs: torch.Tensor, entropy: torch.Tensor, batch: Batch, denominator: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch divided by `denominator`, and its detached metrics."""
+        ...
+
+
+class ValueLoss(Protocol):
+    """The critic's loss per token, [B, T-1], 0 off the mask (rl.algorithms.value_loss)."""
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        mask: torch.Tensor,
+        clip: float,
+    ) -> torch.Tensor: ...

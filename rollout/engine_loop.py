@@ -8,22 +8,9 @@ thread, between steps, so a weight update or an abort never interleaves with a s
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
 from rl.types import Sample, SamplingParams
-
-
-class SteppedEngine(Protocol):
-    """What the loop needs of an engine (`rollout.engines`: vLLM or the PyTorch one)."""
-
-    @property
-    def num_running(self) -> int: ...
-
-    def start(self, samples: list[Sample], params: SamplingParams) -> None: ...
-
-    def step(self) -> list[Sample]: ...
-
-    def abort(self) -> list[Sample]: ...
+from rollout.engines.contract import RolloutEngine
 
 
 class _Call:
@@ -36,7 +23,7 @@ class _Call:
 
 
 class GenerationLoop:
-    def __init__(self, engine: SteppedEngine) -> None:
+    def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._owner: dict[int, _Call] = {}  # id(sample) -> the call it belongs to
         self._finished: dict[int, list[Sample]] = {}  # key -> samples, until polled

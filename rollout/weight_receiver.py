@@ -3,7 +3,7 @@
 `WeightReceiver` is a vLLM worker extension (`worker_extension_cls`): its methods are mixed
 into vLLM's worker class and called through `collective_rpc`, so with tensor parallelism each
 rank's process takes its own region of every tensor from the weight-sync channel (shared
-memory, or a gloo group across hosts: `rl.weight_transport`). Only bucket indices cross the
+memory, or a gloo group across hosts: `rl.sync.transport`). Only bucket indices cross the
 RPC (vLLM serialises RPC arguments to worker processes).
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rl.weight_plan import WeightSyncPlan, plan_from_json
-from rl.weight_transport import Channel, open_channel
+from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rl.sync.plan import WeightSyncPlan, plan_from_json
+from rl.sync.transport import Channel, ChannelSpec, open_channel
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -133,7 +133,9 @@ class WeightReceiver:
     Qwen2.5-0.5B, measured).
     """
 
-    def tandem_open_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
+    def tandem_open_sync(
+        self, plan_json: str, channel_spec: ChannelSpec, first_member: int
+    ) -> None:
         """Join the weight-sync channel `channel_spec` for the transfer plan `plan_json`; this
         engine's TP ranks are members first_member + tp_rank."""
         from vllm.distributed import (

@@ -1,5 +1,5 @@
-"""The rollout worker actor: a thin Ray shell around one in-process engine (`rollout.engines`:
-vLLM, or the PyTorch engine for tiny models on CPU).
+"""The rollout worker actor: a thin Ray shell around one in-process engine
+(`rollout.engines.contract.RolloutEngine`: vLLM, or the PyTorch engine for tiny models on CPU).
 
 An async actor: many `generate` calls are in flight at once and one `GenerationLoop` steps the
 engine for all of them; every method runs on the actor's event-loop thread, between engine
@@ -10,18 +10,15 @@ sizes its thread pool from it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import ray
 
-from rl.actor_logs import redirect_output
 from rl.config import RolloutConfig
+from rl.observe.actor_logs import redirect_output
+from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.engine_loop import GenerationLoop
-from rollout.engines import build_engine
-
-if TYPE_CHECKING:
-    from rollout.engines import RolloutEngine
+from rollout.engines.contract import RolloutEngine
+from rollout.engines.registry import build_engine
 
 
 @ray.remote
@@ -33,7 +30,7 @@ class RolloutWorker:
         self._loop: GenerationLoop | None = None
 
     async def log_to(self, log_file: str) -> None:
-        """Send this process's output to `log_file` (rl.actor_logs); call before `ready`."""
+        """Send this process's output to `log_file` (rl.observe.actor_logs); call before `ready`."""
         redirect_output(log_file)
 
     async def ready(self) -> float:
@@ -94,7 +91,9 @@ class RolloutWorker:
         """Temperature-1 log-probs of each sequence's tokens after its prompt."""
         return self._engine.score(sequences, num_prompt_tokens)
 
-    async def open_weight_sync(self, plan_json: str, channel_spec: dict, first_member: int) -> None:
+    async def open_weight_sync(
+        self, plan_json: str, channel_spec: ChannelSpec, first_member: int
+    ) -> None:
         self._engine.open_weight_sync(plan_json, channel_spec, first_member)
 
     async def apply_weight_bucket(

@@ -1,75 +1,12 @@
-"""Shared fixtures: tiny randomly initialised HF checkpoints built locally (no hub)."""
+"""Session fixtures: tiny randomly initialised HF checkpoints built locally (no hub)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rl.config import BaseBuildConfig
-from rl.weight_plan import AttentionShape, TensorSpec
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-# The example runtime environment for `ray job submit` sits beside the recipes; it is not one.
-RUNTIME_ENV = REPO / "recipes" / "runtime_env.yaml"
-
-
-def shipped_recipes() -> list[Path]:
-    """Every recipe under recipes/, sorted."""
-    return sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p != RUNTIME_ENV)
-
-
-def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
-    rng = random.Random(0)
-    return [
-        f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}"
-        for _ in range(num_lines)
-    ]
-
-
-def build_tiny_checkpoint(path: Path, tie_word_embeddings: bool, seed: int = 0) -> Path:
-    """A 2-layer Qwen2 (head_dim 32, as vLLM's CPU attention needs) with a trained BPE tokenizer."""
-    cfg = BaseBuildConfig(
-        vocab_size=64,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    tokenizer = train_tokenizer(_arithmetic_corpus(), cfg.vocab_size)
-    model = new_qwen2(cfg, tokenizer, seed=seed)
-    return save_hf_atomic(model, tokenizer, path)
-
-
-def build_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, **sizes: int) -> Path:
-    """A random Qwen2 or Llama of any size (keyword `sizes` override the HF config's: e.g.
-    hidden_size, num_hidden_layers, vocab_size) with the tiny tokenizer."""
-    tokenizer = train_tokenizer(_arithmetic_corpus(), 64)
-    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    config = config_class(
-        **{
-            "vocab_size": -(-len(tokenizer) // 64) * 64,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            **sizes,
-        },
-        tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return save_hf_atomic(model, tokenizer, path)
+from tests.helpers.models import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -82,17 +19,3 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny checkpoint with tie_word_embeddings=True."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("models") / "tiny-tied", True)
-
-
-# A small Qwen2-style layer's tensors (HF names) for weight-sync tests, with its attention.
-SYNC_SHAPE = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1000)
-SYNC_SPECS = [
-    TensorSpec("model.embed_tokens.weight", (1000, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.self_attn.q_proj.bias", (128,)),
-    TensorSpec("model.layers.0.self_attn.k_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.v_proj.weight", (64, 128)),
-    TensorSpec("model.layers.0.self_attn.o_proj.weight", (128, 128)),
-    TensorSpec("model.layers.0.mlp.down_proj.weight", (128, 256)),
-    TensorSpec("model.norm.weight", (128,)),
-]

@@ -19,9 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM
 
 from kernels.attention import ATTENTION
-from rl.algorithms import value_loss
 from rl.config import Config, TrainerConfig
-from rl.types import Batch
+from rl.types import Batch, ValueLoss
 from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
 from trainer.loss_scale import loss_multiplier, loss_scale_for
@@ -91,10 +90,17 @@ class ValueTrainer:
     """One FSDP2 rank of the critic. Plain class, no Ray."""
 
     def __init__(
-        self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int
+        self,
+        cfg: Config,
+        value_loss: ValueLoss,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
     ) -> None:
+        """`value_loss` is the loss per token to minimise (`rl.algorithms.value_loss`)."""
         check_batching(cfg.trainer)
-        self.cfg = cfg
+        self.cfg, self.value_loss = cfg, value_loss
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
         self.model = load_value_model(
@@ -140,7 +146,7 @@ class ValueTrainer:
     def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
 
-        The loss is the token mean of `rl.algorithms.value_loss` over the whole mini-batch:
+        The loss is the token mean of `self.value_loss` over the whole mini-batch:
         normalised by the global count of valid tokens, so the sharded gradients equal those of
         one process on the full `batch`. FSDP2's reduce-scatter averages over ranks, and we
         want the sum of the ranks' partial gradients, so each rank's loss is scaled by
@@ -157,12 +163,14 @@ class ValueTrainer:
         for micro, inputs, _ in self._micro_batches(batch):
             mask = micro.loss_mask
             values = self.model(inputs)
-            token_loss = value_loss(values, micro.old_values, micro.returns, mask, clip)  # masked
+            token_loss = self.value_loss(
+                values, micro.old_values, micro.returns, mask, clip
+            )  # masked
             loss = token_loss.sum() / denominator
             (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             with torch.no_grad():
                 # Clipped where the clipped branch is the larger loss (its gradient is zero).
-                unclipped = value_loss(values, micro.old_values, micro.returns, mask, 0.0)
+                unclipped = self.value_loss(values, micro.old_values, micro.returns, mask, 0.0)
                 returns, error = micro.returns.double(), (micro.returns - values).double()
                 terms = (
                     mask,

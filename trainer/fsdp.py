@@ -139,7 +139,7 @@ def sharding_mesh(device_type: str, world_size: int, cfg: TrainerConfig) -> Devi
     if cfg.sharding in ("zero3", "zero2"):
         return init_device_mesh(device_type, (world_size,))
     shard = cfg.shard_group_size if cfg.sharding == "hybrid" else 1
-    assert world_size % shard == 0, "checked by rl.recipe.check_consistency"
+    assert world_size % shard == 0, "checked by rl.config.recipe.check_consistency"
     return init_device_mesh(
         device_type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
     )

@@ -1,7 +1,7 @@
 """A trainer rank's device memory handed to a colocated rollout engine while it generates.
 
 In colocate mode on GPUs the trainer and the engine take turns on the same devices. The engine
-sleeps while the trainer trains (`rollout.vllm_engine.VLLMEngine.release_memory`); this is the
+sleeps while the trainer trains (`rollout.engines.vllm_engine.VLLMEngine.release_memory`); this is the
 other half: after a weight push the rank moves its sharded parameters, gradients and
 optimizer state to host memory and empties CUDA's cache, so the engine's KV cache can take
 that memory, and moves them back before it next computes anything (as verl offloads its FSDP

@@ -17,15 +17,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from rl.config import Config
-from rl.loss import (
-    kl_in_loss,
-    loss_weights,
-    policy_objective,
-    rows_with_advantage,
-    zero_advantage_rows_are_inert,
-)
-from rl.types import Batch
-from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan
+from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan
+from rl.sync.transport import ChannelSpec
+from rl.types import Batch, PolicyObjective
 from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
 from trainer.hf_model import save_hf_atomic
@@ -54,7 +48,7 @@ def _rows_to_train(batch: Batch) -> torch.Tensor:
     """Indices of the rows with a gradient (`trainer.skip_zero_advantage_rows`), or the first
     row when none has one: its zero gradients still step AdamW, whose moments then decay and
     move the parameters as after the full batch (a missing gradient would skip them)."""
-    rows = rows_with_advantage(batch)
+    rows = batch.rows_with_advantage()
     return rows if len(rows) else torch.zeros(1, dtype=torch.long)
 
 
@@ -62,19 +56,25 @@ class PolicyTrainer:
     """One FSDP2 rank of the policy (and optional frozen reference). Plain class, no Ray."""
 
     def __init__(
-        self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int
+        self,
+        cfg: Config,
+        objective: PolicyObjective,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
     ) -> None:
+        """`objective` is the loss to minimise (the driver's `rl.algorithms.objective`)."""
         if cfg.rollout.temperature <= 0:
             raise ValueError(
                 f"rollout.temperature={cfg.rollout.temperature}: trainer log-probs need a "
                 "temperature > 0"
             )
         check_batching(cfg.trainer)
-        assert not cfg.trainer.skip_zero_advantage_rows or zero_advantage_rows_are_inert(
-            cfg.algorithm
+        assert (
+            not cfg.trainer.skip_zero_advantage_rows or objective.zero_advantage_rows_are_inert
         ), "recipe checks refuse skip_zero_advantage_rows with a KL or entropy loss term"
-        self.cfg = cfg
-        self._forward_correction = cfg.algorithm.off_policy if cfg.proximal_from_forward() else None
+        self.cfg, self.objective = cfg, objective
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
         self.num_replicas = num_replicas(mesh)
@@ -147,10 +147,8 @@ class PolicyTrainer:
         metrics over the rows run, `tokens` (the loss-mask count they are weighted by),
         `trained_tokens` (prompt and response tokens run) and `skipped_rows`.
         """
-        algo = self.cfg.algorithm
-        max_len = self.cfg.rollout.max_new_tokens
         # Every rank holds the whole mini-batch: the global denominator needs no collective.
-        denominator = loss_weights(algo, batch.loss_mask, max_len)[1].item()
+        denominator = self.objective.token_count(batch)
         denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
         num_rows = batch.num_sequences
         if self.cfg.trainer.skip_zero_advantage_rows:
@@ -159,9 +157,7 @@ class PolicyTrainer:
         temperature = self.cfg.rollout.temperature
         for micro, inputs, _ in self._micro_batches(batch):
             logprob, entropy = self.policy(inputs, temperature)
-            loss, metrics = policy_objective(
-                algo, logprob, entropy, micro, max_len, denominator, self._forward_correction
-            )
+            loss, metrics = self.objective.loss(logprob, entropy, micro, denominator)
             (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
@@ -172,9 +168,9 @@ class PolicyTrainer:
         dist.all_reduce(sums)
         tokens = sums[-1].clamp(min=1.0)
         out = {name: (sums[i] / tokens).item() for i, name in enumerate(_TOKEN_METRICS)}
-        if not kl_in_loss(algo):
+        if not self.objective.kl_in_loss:
             del out["kl_ref"]
-        if batch.is_weights is None and self._forward_correction is None:
+        if batch.is_weights is None and self.objective.forward_correction is None:
             del out["is_weight"]
         out.update(
             loss=sums[-2].item(),
@@ -266,7 +262,7 @@ class PolicyTrainer:
         model = self.policy.model
         return trained_tensors(model), attention_shape(model.config)
 
-    def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: dict) -> None:
+    def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: ChannelSpec) -> None:
         """Join the weight-sync channel `channel_spec` for `plan`."""
         self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from rl.config import TrainerConfig
-from rl.memory import peak_rss_bytes, reset_peak_rss, reuse_freed_host_memory
+from rl.observe.memory import peak_rss_bytes, reset_peak_rss, reuse_freed_host_memory
 from rl.types import Batch
 from trainer.fsdp import sharding_mesh
 from trainer.loss_scale import LossScale
@@ -58,7 +58,7 @@ def init_rank(
 
     CUDA when present (nccl for tensors, gloo for CPU-side collectives), else gloo on CPU with
     `cfg.num_threads` intra-op threads, activations reusing freed host memory
-    (`rl.memory.reuse_freed_host_memory`). Blocks until all `world_size` ranks have joined.
+    (`rl.observe.memory.reuse_freed_host_memory`). Blocks until all `world_size` ranks have joined.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", rank % torch.cuda.device_count())

@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from rl.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from rl.weight_plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit, owned_rows
-from rl.weight_transport import open_channel
+from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit, owned_rows
+from rl.sync.transport import ChannelSpec, open_channel
 
 
 def trained_tensors(model: nn.Module) -> list[TensorSpec]:
@@ -51,10 +51,10 @@ def attention_shape(config: PretrainedConfig) -> AttentionShape:
 
 class WeightSender:
     """Sends trainer `rank`'s rows of each bucket of `plan` over the channel `channel_spec`
-    (`rl.weight_transport.open_channel`)."""
+    (`rl.sync.transport.open_channel`)."""
 
     def __init__(
-        self, model: nn.Module, plan: WeightSyncPlan, rank: int, channel_spec: dict
+        self, model: nn.Module, plan: WeightSyncPlan, rank: int, channel_spec: ChannelSpec
     ) -> None:
         self._model, self._plan, self._rank = model, plan, rank
         self._channel = open_channel(plan, channel_spec, member=rank)

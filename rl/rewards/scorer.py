@@ -17,10 +17,10 @@ import torch
 from ray.actor import ActorHandle
 
 from rl.config import RewardConfig
+from rl.data.tasks import Task
 from rl.rewards.model_worker import RewardModelWorker
 from rl.rewards.pool import Failure, FunctionPool
 from rl.rewards.terms import FunctionTerm, check_reward_terms, parse_term, term_label
-from rl.tasks import Task
 
 MODEL_STARTUP_TIMEOUT_S = 600.0
 

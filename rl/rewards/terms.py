@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 from rl.config import RewardConfig
+from rl.data.tasks import Task
 from rl.rewards.verifiers import VERIFIERS
-from rl.tasks import Task
 
 RewardFn = Callable[[str, dict], float]
 TermKind = Literal["task", "verifier", "file", "model"]

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from math_verify import parse, verify
 
-from rl.registry import Registry
-from rl.tasks import get_task
+from rl.config.registry import NoTraits, Registry
+from rl.data.tasks import get_task
 
 Verifier = Callable[[str, dict], float]
-VERIFIERS: Registry[Verifier] = Registry("verifier")
+VERIFIERS: Registry[Verifier, NoTraits] = Registry("verifier")
 
 
 @VERIFIERS.register("countdown")

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl.report import build_figures, read_metrics
-from tests.tracker_files import same_metrics, tensorboard_scalars, wandb_history
+from rl.observe.report import build_figures, read_metrics
+from tests.helpers.repo import REPO
+from tests.helpers.tracker_files import same_metrics, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:

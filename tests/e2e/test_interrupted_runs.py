@@ -3,7 +3,7 @@
 The reference is one uninterrupted 6-step run. A run killed with SIGKILL after step 4 and
 resumed with `--resume auto` (from its step-3 checkpoint), and a run stopped with SIGTERM and
 resumed, must log exactly the reference's metrics at every step, except measurements of the
-machine (`rl.metrics.is_measurement`).
+machine (`rl.observe.metrics.is_measurement`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from tiny_runs import tiny_run_tree
 
-from rl.checkpoint import list_checkpoints, verify
-from rl.metrics import is_measurement
+from rl.checkpoint.store import list_checkpoints, verify
+from rl.observe.metrics import is_measurement
+from tests.helpers.repo import REPO
+from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6
 
 

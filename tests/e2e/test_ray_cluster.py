@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_runs import tiny_run_tree
 
-from rl.checkpoint import verify
+from rl.checkpoint.store import verify
+from tests.helpers.repo import REPO
+from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment's `ray` and `rl`
 
 

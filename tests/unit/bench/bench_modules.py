@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-from tests.conftest import REPO
+from tests.helpers.repo import REPO
 
 
 def load_bench_module(name: str) -> ModuleType:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rl.recipe import load_config
+from rl.config.recipe import load_config
 from tests.unit.bench.bench_modules import load_bench_module
 
 bare_components = load_bench_module("bare_components")

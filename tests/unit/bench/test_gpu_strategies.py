@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.repo import REPO
 from tests.unit.bench.bench_modules import load_bench_module
 
 pytestmark = pytest.mark.integration  # real PolicyTrainers, a process group each

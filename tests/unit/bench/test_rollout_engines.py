@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.engines import ENGINES
+from rollout.engines.registry import ENGINES
 from tests.unit.bench.bench_modules import load_bench_module
 
 rollout_engines = load_bench_module("rollout_engines")

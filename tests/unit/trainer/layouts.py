@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from rl.algorithms.objective import loss_weights, policy_objective
 from rl.config import AlgorithmConfig
-from rl.loss import loss_weights, policy_objective
 from rl.types import Batch
 from trainer.fsdp import LogProbModel
 from trainer.packing import ModelInput, padded_input

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.batching import build_batch
+from rl.algorithms.objective import loss_weights, policy_objective
 from rl.config import AlgorithmConfig, TrainerConfig
-from rl.loss import loss_weights, policy_objective
+from rl.run.batching import build_batch
 from rl.types import Batch, Sample
 from trainer.ranks import micro_batches, scatter_rows
 

@@ -1,0 +1,191 @@
+"""`rl export CHECKPOINT --to DIR`: a checkpoint's policy as a Hugging Face model directory.
+
+A checkpoint holds the policy's tensors (DCP shards), the run's config, and a copy of every
+file of the base model (`model.path`) but its weights: HF config, generation config,
+tokenizer, chat template. So a checkpoint exports on its own, after the base has moved or on
+another machine: the export builds the model from those files, loads the trained tensors into
+it through the restricted DCP reader, and writes it with the same atomic save the trainer's
+own export uses, in fp32 (the trainer's master weights), so both exports hold the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from rl.checkpoint.resume import DRIVER_STATE
+from rl.checkpoint.store import CheckpointError, verify
+from rl.config import Config
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# torch and transformers are imported where used: a checkpoint that fails its checks is
+# reported in a second, not after the seconds those imports take.
+
+POLICY_DIR = "policy"
+SHAPES = "shapes.json"
+MODEL_FILES_DIR = "model_files"  # the base model's files but its weights
+# Weights, which the policy shards replace; every other file of the base is small.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def copy_model_files(model_dir: Path, dest: Path) -> None:
+    """Copy the top-level files of HF model `model_dir` to `dest`, weights (and their
+    index files) left out."""
+    dest.mkdir()
+    for file in sorted(model_dir.iterdir()):
+        weights = file.name.endswith(_WEIGHT_SUFFIXES) or file.name.endswith(".index.json")
+        if file.is_file() and not weights:
+            shutil.copy2(file, dest / file.name)
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """Write the policy of `checkpoint` (a step_NNNNNN directory) as an HF model to `out_dir`
+    (replaced atomically); CheckpointError naming the file at fault otherwise."""
+    verify(checkpoint)  # before anything heavy: a damaged file is named, nothing is written
+    cfg = _run_config(checkpoint / DRIVER_STATE)
+    policy = checkpoint / POLICY_DIR
+    saved = _saved_shapes(policy)
+    _check_out_dir(out_dir, checkpoint, Path(cfg.model.path))
+    model, tokenizer = _model_from_files(checkpoint / MODEL_FILES_DIR)
+    _load_policy(model, policy, saved)
+    from trainer.hf_model import save_hf_atomic
+
+    return save_hf_atomic(model, tokenizer, out_dir)
+
+
+def _run_config(driver_file: Path) -> Config:
+    """The run's config as the driver recorded it in `driver_file`."""
+    if not driver_file.is_file():
+        raise CheckpointError(
+            f"{driver_file} is missing: the checkpoint does not record its run's config; "
+            "export a checkpoint written by `rl train`"
+        )
+    try:
+        return Config.model_validate(json.loads(driver_file.read_text())["config"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValidationError) as e:
+        raise CheckpointError(
+            f"{driver_file} holds no valid run config ({type(e).__name__}: {e}); export a "
+            "checkpoint written by this version of `rl train`"
+        ) from e
+
+
+def _saved_shapes(policy: Path) -> dict[str, list[int]]:
+    """Tensor name -> full shape of the policy in `policy` (the DCP directory)."""
+    shapes_file = policy / SHAPES
+    for needed in (policy / ".metadata", shapes_file):
+        if not needed.is_file():
+            raise CheckpointError(
+                f"{needed} is missing: {policy.parent} holds no trainer checkpoint of the "
+                "policy; export a checkpoint written by `rl train`"
+            )
+    try:
+        shapes = json.loads(shapes_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{shapes_file} is unreadable ({e}); the checkpoint is damaged"
+        ) from e
+    if not isinstance(shapes, dict) or not shapes:
+        raise CheckpointError(f"{shapes_file} lists no tensors; the checkpoint is damaged")
+    return shapes
+
+
+def _check_out_dir(out_dir: Path, checkpoint: Path, base: Path) -> None:
+    """Refuse destinations whose atomic replacement would destroy something else: the
+    checkpoint, the base model every checkpoint of the run needs, or a directory that is
+    not an HF model (a typo such as `--to .` would otherwise replace the working tree)."""
+    target = out_dir.resolve()
+    for precious, what in (
+        (checkpoint.resolve(), "the checkpoint"),
+        (base.resolve(), "model.path"),
+    ):
+        if target == precious or precious.is_relative_to(target) or target.is_relative_to(precious):
+            raise CheckpointError(
+                f"--to {out_dir} would overwrite {what} ({precious}); export to a new directory"
+            )
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"--to {out_dir} is a non-empty directory that is not an HF model (no config.json) "
+            "and would be replaced; give a new directory or an earlier export"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--to {out_dir} is a file; give a directory")
+
+
+def _model_from_files(files: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model the base's files in `files` describe, in fp32 (as the trainer loads it),
+    with its generation config, and its tokenizer; the weights are replaced next."""
+    if not (files / "config.json").is_file():
+        raise CheckpointError(
+            f"{files / 'config.json'} is missing: the checkpoint holds no copy of the base "
+            "model's config and tokenizer; export a checkpoint written by this version of "
+            "`rl train`"
+        )
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(files), dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(files)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{files} holds no usable HF config and tokenizer ({e})") from e
+    if (files / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(files)
+    return model, tokenizer
+
+
+def _check_shapes(
+    saved: dict[str, list[int]], target: dict[str, torch.Tensor], shapes_file: Path, base: Path
+) -> None:
+    """Every checkpoint tensor fits the base model, and every base tensor is in the
+    checkpoint or tied to one that is (a tied lm_head may be stored once)."""
+    for name, shape in saved.items():
+        if name not in target:
+            raise CheckpointError(
+                f"{shapes_file}: {name} is not a tensor of the model in {base}; the "
+                "checkpoint belongs to another model"
+            )
+        if list(target[name].shape) != shape:
+            raise CheckpointError(
+                f"{shapes_file}: {name} has shape {shape} in the checkpoint but "
+                f"{list(target[name].shape)} in the model in {base}; the checkpoint belongs "
+                "to another model"
+            )
+    stored = {target[name].data_ptr() for name in saved}
+    for name, tensor in target.items():
+        if name not in saved and tensor.data_ptr() not in stored:
+            raise CheckpointError(
+                f"{shapes_file}: the checkpoint lacks {name} of the model in {base}; the "
+                "checkpoint belongs to another model"
+            )
+
+
+def _load_policy(model: PreTrainedModel, policy: Path, saved: dict[str, list[int]]) -> None:
+    """Overwrite `model`'s tensors in place with the checkpoint's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import SafeReader
+
+    target = model.state_dict()  # views of the parameters: DCP copies into them
+    _check_shapes(saved, target, policy / SHAPES, policy.parent / MODEL_FILES_DIR)
+    state = {"model": {name: target[name] for name in saved}}
+    with warnings.catch_warnings():
+        # One process reading every shard is the intent, which DCP warns about.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(policy)), no_dist=True)
+        # CheckpointException (a read failing) derives from BaseException, not Exception.
+        except (ValueError, RuntimeError, CheckpointException) as e:
+            raise CheckpointError(f"{policy} could not be read as a policy checkpoint: {e}") from e
+    # DCP fills plain tensors in place; loading them back also covers one it replaced.
+    model.load_state_dict(state["model"], strict=False)

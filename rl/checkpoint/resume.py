@@ -1,0 +1,128 @@
+"""Which checkpoint a run continues from, checked before anything heavy starts.
+
+`--resume auto` takes the newest checkpoint of the run that verifies (falling back past
+damaged ones, and starting fresh when there is none); `--resume PATH` takes PATH or fails.
+Either way the checkpoint must hold the same run: the config may differ only in keys that do
+not change what is computed (`RESUMABLE_CHANGES`), and its tensors must fit model.path.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+from rl.checkpoint.store import CheckpointError, checkpoint_root, newest_valid, verify
+from rl.config import Config
+
+DRIVER_STATE = "driver.json"
+# Config keys a resumed run may change: how long it runs, how it reports and saves.
+RESUMABLE_CHANGES = (
+    "run.num_steps",
+    "run.eval_every",
+    "run.num_eval_prompts",
+    "run.export_hf",
+    "run.output_dir",
+    "run.wandb_mode",
+    "run.wandb_project",
+    "run.tensorboard",
+    "run.log_format",
+    "run.verbose",
+    "checkpoint.",
+    "faults.",
+)
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def find_resume_point(cfg: Config, resume: str | None) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start). CheckpointError when PATH is
+    not a good checkpoint of this run. A fresh start moves an earlier run's checkpoints
+    aside rather than mixing them with its own."""
+    root = checkpoint_root(run_dir_of(cfg))
+    if resume is None:
+        if root.is_dir() and any(root.iterdir()):
+            aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
+            root.rename(aside)
+            print(f"a fresh run: the earlier checkpoints of {root.parent} were moved to {aside}")
+        return None
+    if resume == "auto":
+        path, skipped = newest_valid(root)
+        for reason in skipped:
+            print(f"warning: skipping a damaged checkpoint: {reason}", file=sys.stderr)
+        if path is None:
+            print(f"no checkpoint under {root}: starting from the beginning")
+            return None
+    else:
+        path = Path(resume)
+        verify(path)
+    check_compatible(cfg, path)
+    return path
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_compatible(cfg: Config, path: Path) -> None:
+    """CheckpointError naming the keys (or tensors) in which `path` differs from `cfg`."""
+    state = json.loads((path / DRIVER_STATE).read_text())
+    saved = _flatten(Config.model_validate(state["config"]).model_dump(mode="json"))
+    now = _flatten(cfg.model_dump(mode="json"))
+    changed = sorted(
+        key
+        for key in saved.keys() | now.keys()
+        if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)
+    )
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise CheckpointError(
+            f"checkpoint {path} was written by a differently configured run ({details}); "
+            "resume with the recipe and overrides it was started with (only run.num_steps, "
+            "evaluation, logging, checkpoint.* and faults.* may change)"
+        )
+    if state["step"] > cfg.run.num_steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {state['step']}, past run.num_steps="
+            f"{cfg.run.num_steps}; raise run.num_steps to continue training"
+        )
+    _check_shapes(path / "policy" / "shapes.json", Path(cfg.model.path))
+
+
+def _safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:
+    shapes = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    return shapes
+
+
+def _check_shapes(shapes_file: Path, model_dir: Path) -> None:
+    """Every tensor the checkpoint and model.path both hold has one shape (a tied lm_head
+    may be absent from either)."""
+    saved = json.loads(shapes_file.read_text())
+    base = _safetensors_shapes(model_dir)
+    for name, shape in saved.items():
+        if name in base and base[name] != shape:
+            raise CheckpointError(
+                f"{shapes_file}: {name} has shape {shape} in the checkpoint but {base[name]} in "
+                f"model.path={model_dir}; the checkpoint belongs to another model"
+            )
+    missing = sorted(set(base) - set(saved))
+    if missing:
+        raise CheckpointError(
+            f"{shapes_file}: the checkpoint lacks {missing[0]} of model.path={model_dir}; "
+            "the checkpoint belongs to another model"
+        )

@@ -1,0 +1,272 @@
+"""Per-rank memory estimate of a plan, for `rl train --dry-run`: does it fit the devices?
+
+Pure arithmetic over the model's HF config and the recipe (nothing is loaded), in the terms
+users size runs by. A trainer rank holds its FSDP2 shard of the fp32 master parameters,
+gradients and AdamW's two moments (16 bytes a parameter over W ranks), the frozen reference's
+shard (4 bytes over W), the layers FSDP2 has gathered in the compute dtype (the root's
+embeddings and head, the current layer and the prefetched next), the activations a
+micro-batch saves for backward, and the fused log-prob kernel's workspace. A rollout worker
+holds its tensor-parallel slice of the weights and the KV cache. The figures leave out
+allocator fragmentation and runtime overheads (CUDA context, NCCL buffers: about 1-2 GiB a
+GPU), so a plan within a few percent of the limit is not safe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from rl.algorithms.advantages import needs_critic
+from rl.config import Config
+
+GIB = 1 << 30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The kernel's torch path keeps a chunk's fp32 logits, their exponentials and gradient.
+_LOGPROB_WORKSPACE_COPIES = 3
+
+
+class PlanDoesNotFit(ValueError):
+    """The plan needs more memory than its devices have; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama/Qwen2-style decoder that memory depends on."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    num_attention_bias: int  # bias elements of one layer's attention projections
+
+    @classmethod
+    def read(cls, model_dir: Path) -> ModelShape:
+        """The shape in `model_dir/config.json`; ValueError naming the file and key."""
+        path = model_dir / "config.json"
+        config = json.loads(path.read_text())
+        try:
+            num_heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+            num_kv_heads = config.get("num_key_value_heads") or num_heads
+            q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+            # Qwen2 always biases q, k and v; Llama-style configs say so for all four.
+            if config.get("model_type") == "qwen2":
+                num_bias = q_dim + 2 * kv_dim
+            else:
+                num_bias = q_dim + 2 * kv_dim + config["hidden_size"]
+                num_bias *= bool(config.get("attention_bias"))
+            return cls(
+                vocab_size=config["vocab_size"],
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_layers=config["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                num_attention_bias=num_bias,
+            )
+        except KeyError as e:
+            raise ValueError(
+                f"{path} has no {e.args[0]!r}: the memory estimate needs a Llama/Qwen2-style "
+                "decoder config"
+            ) from None
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_layer_params(self) -> int:
+        """One decoder layer: attention (q, k, v, o and their biases), gated MLP, two norms."""
+        h, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        attention = 2 * h * q_dim + 2 * h * self.kv_dim + self.num_attention_bias
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_root_params(self) -> int:
+        """What is not in a decoder layer: embeddings, final norm, an untied LM head."""
+        embeddings = self.vocab_size * self.hidden_size
+        return embeddings * (1 if self.tied_embeddings else 2) + self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.num_layer_params + self.num_root_params
+
+    def activation_elements_per_token(self, checkpointed: bool) -> int:
+        """Elements a token's forward saves for backward over the whole decoder. Per layer:
+        the two norm inputs and outputs, q, k and v, the attention output, and the MLP's
+        gate, up, activation and product; with activation checkpointing only each layer's
+        input is kept, and one layer at a time is recomputed."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = 5 * h + 2 * self.kv_dim + 4 * i
+        if checkpointed:
+            return self.num_layers * h + per_layer
+        return self.num_layers * per_layer
+
+
+@dataclass
+class RoleMemory:
+    """One rank's estimate: part name -> bytes."""
+
+    role: str
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items())
+        return f"{self.role}: {parts} = {self.total / GIB:.2f} GiB"
+
+
+def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> RoleMemory:
+    """A policy (or critic) rank's peak during a training step."""
+    trainer = cfg.trainer
+    num_ranks = cfg.trainer.num_workers if role == "trainer rank" else cfg.critic_world_size()
+    # The ranks one copy of the state is sharded over (the rest replicate it).
+    num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(trainer.sharding, num_ranks)
+    compute = _DTYPE_BYTES[cfg.model.dtype]
+    n = shape.num_params
+    # zero3 gathers a layer at a time (and prefetches the next); the others keep every layer
+    # gathered from its forward until its backward.
+    num_gathered = shape.num_root_params + 2 * shape.num_layer_params
+    if trainer.sharding in ("zero2", "none"):
+        num_gathered = n
+    parts = {
+        "params": 4 * n / num_shards,
+        "grads": 4 * n / num_shards,
+        "optimizer": 8 * n / num_shards,
+        "gathered": compute * num_gathered,
+    }
+    if role == "trainer rank" and cfg.algorithm.kl_coef > 0:
+        parts["reference"] = 4 * n / num_shards
+    num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
+    elements = shape.activation_elements_per_token(trainer.activation_checkpointing)
+    parts["activations"] = compute * num_tokens * elements
+    if role == "trainer rank":
+        rows = min(trainer.logprob_chunk_size, num_tokens)
+        columns = min(trainer.logprob_vocab_chunk_size, shape.vocab_size)
+        parts["log-prob workspace"] = 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES
+    return RoleMemory(role, parts)
+
+
+def rollout_rank(cfg: Config, shape: ModelShape) -> tuple[RoleMemory, float]:
+    """(a rollout TP rank's weights and the KV cache its share of a step's sequences needs,
+    the memory its engine reserves: rollout.kv_cache_gb on CPU beyond the weights; on GPU
+    gpu_memory_utilization of the device, filled in by `check_fits`)."""
+    rollout = cfg.rollout
+    tp = rollout.tensor_parallel_size
+    compute = _DTYPE_BYTES[cfg.model.dtype]
+    num_sequences = math.ceil(
+        cfg.run.prompts_per_step * cfg.algorithm.group_size / rollout.num_workers
+    )
+    kv_per_token = 2 * shape.num_layers * shape.kv_dim * compute / tp
+    parts = {
+        "weights": compute * shape.num_params / tp,
+        f"KV cache ({num_sequences} sequences x {rollout.max_model_len} tokens)": (
+            num_sequences * rollout.max_model_len * kv_per_token
+        ),
+    }
+    return RoleMemory("rollout TP rank", parts), parts["weights"] + rollout.kv_cache_gb * GIB
+
+
+def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool) -> str:
+    """The estimate, one line a role, and the verdict; PlanDoesNotFit with the fix when the
+    plan needs more than `device_bytes` per GPU (on_gpu) or in host memory (CPU: every
+    rank of every role shares it)."""
+    trainer = trainer_rank(cfg, shape)
+    critic = trainer_rank(cfg, shape, "critic rank") if needs_critic(cfg) else None
+    rollout, cpu_reserve = rollout_rank(cfg, shape)
+    lines = [trainer.describe()]
+    if critic is not None:
+        lines.append(critic.describe())
+    lines.append(rollout.describe())
+    # The critic trains after the policy: their states stay resident, activations do not add up.
+    trainer_side = trainer.total + (critic.total - critic.parts["activations"] if critic else 0)
+    if on_gpu:
+        reserve = cfg.rollout.gpu_memory_utilization * device_bytes
+        lines.append(
+            f"vLLM reserves rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} "
+            f"of each device: {reserve / GIB:.2f} GiB"
+        )
+        if rollout.parts["weights"] >= reserve:
+            raise PlanDoesNotFit(
+                _verdict(lines, "the rollout engine's weights alone fill what vLLM reserves")
+                + "; raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size"
+            )
+        colocated = cfg.scheduler.placement == "colocate"
+        needed = trainer_side + (reserve if colocated else 0)
+        where = "a device shared by a trainer rank and vLLM" if colocated else "a trainer device"
+    else:
+        needed = trainer.total * cfg.trainer.num_workers + cpu_reserve * cfg.rollout.num_workers
+        if critic is not None:
+            needed += (critic.total - critic.parts["activations"]) * cfg.critic_world_size()
+        where = "host memory, shared by every rank"
+    summary = f"{where}: {needed / GIB:.2f} GiB needed of {device_bytes / GIB:.2f} GiB"
+    if needed > device_bytes:
+        raise PlanDoesNotFit(
+            _verdict(lines, f"does not fit, {summary}") + _suggestion(cfg, trainer)
+        )
+    return _verdict(lines, f"fits, {summary}")
+
+
+def _verdict(lines: list[str], verdict: str) -> str:
+    return "\n".join(["memory estimate per rank (GiB):", *(f"  {line}" for line in lines), verdict])
+
+
+def _suggestion(cfg: Config, trainer: RoleMemory) -> str:
+    """What shrinks the largest part of a trainer rank."""
+    largest = max(trainer.parts, key=trainer.parts.get)
+    if largest == "activations" and not cfg.trainer.activation_checkpointing:
+        return "; set trainer.activation_checkpointing=true, or lower trainer.micro_batch_size"
+    if largest == "activations":
+        return "; lower trainer.micro_batch_size or rollout.max_model_len"
+    if largest in ("params", "grads", "optimizer", "reference"):
+        return (
+            "; shard over more trainer ranks (trainer.num_workers), or lower "
+            "rollout.gpu_memory_utilization to leave the trainer more"
+        )
+    return "; lower trainer.logprob_chunk_size or trainer.logprob_vocab_chunk_size"
+
+
+def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
+    """`--dry-run`'s memory section against the devices told (`device_memory_gb` per GPU),
+    else the GPU this machine has, else host memory; PlanDoesNotFit when it does not fit."""
+    config_file = Path(cfg.model.path) / "config.json"
+    if not config_file.is_file():
+        return f"memory estimate: skipped, {config_file} is not here to read the model's sizes"
+    shape = ModelShape.read(config_file.parent)
+    if device_memory_gb is not None:
+        device_bytes, on_gpu = device_memory_gb * GIB, True
+        devices = f"GPUs of {device_memory_gb:g} GiB (--device-memory-gb)"
+    elif (gpu := _visible_gpu()) is not None:
+        (name, device_bytes), on_gpu = gpu, True
+        devices = f"GPUs like this machine's {name} ({device_bytes / GIB:.1f} GiB)"
+    else:
+        device_bytes, on_gpu = psutil.virtual_memory().total, False
+        devices = f"CPU, host memory {device_bytes / GIB:.1f} GiB"
+    header = f"model: {shape.num_params / 1e9:.3f}B parameters; devices: {devices}"
+    return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu)}"
+
+
+def _visible_gpu() -> tuple[str, int] | None:
+    """(name, bytes) of CUDA device 0, or None; torch is imported only where a driver is."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(0)
+    return properties.name, properties.total_memory

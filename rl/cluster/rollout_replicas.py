@@ -1,0 +1,162 @@
+"""The driver's view of the rollout workers: create them, spread samples over them, gather.
+
+A worker whose process dies surfaces as `WorkerLost` from its poll; calls that reach every
+worker (interrupt, memory) skip a dead one, so the scheduler learns of it in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+from rl.cluster.reservation import Placement
+from rl.config import Config
+from rl.observe.actor_logs import actor_log_file
+from rl.run.scheduler.ports import WorkerLost
+from rl.types import Sample, SamplingParams, fresh_samples
+from rollout.worker import RolloutWorker
+
+
+class RolloutReplicas:
+    def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
+        tp = cfg.rollout.tensor_parallel_size
+        self._cfg = cfg
+        self._options = [
+            placement.actor_options(index * tp, num_roles_sharing)
+            for index in range(cfg.rollout.num_workers)
+        ]
+        if cfg.scheduler.time_sliced and not placement.use_gpu and tp == 1:
+            # Ray would give the engine threads for its CPU share alone (one, when it shares
+            # its CPU with a trainer rank), but while it generates the trainer waits: it may
+            # use every CPU of its node block (2 threads: 1.45x the tokens/s of 1, measured).
+            for index, options in enumerate(self._options):
+                threads = placement.plan.rollout_threads(index)
+                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        self.workers = [self._start(index) for index in range(cfg.rollout.num_workers)]
+        # Samples in flight per worker, and the worker of each batch in flight.
+        self._num_in_flight = [0] * len(self.workers)
+        self._worker_of: dict[int, int] = {}
+        self._polls: list[tuple[int, Future]] = []  # (worker, poll future) not counted yet
+        ray.get([worker.ready.remote() for worker in self.workers])
+
+    def _start(self, index: int) -> ActorHandle:
+        cfg = self._cfg
+        worker = RolloutWorker.options(**self._options[index]).remote(
+            cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
+        )
+        if (log_file := actor_log_file(cfg, f"rollout-{index}")) is not None:
+            worker.log_to.remote(log_file)  # runs before `ready`: calls run in order
+        return worker
+
+    def restart(self, index: int) -> ActorHandle:
+        """Replace worker `index` (dead or not) by a fresh one on the checkpoint's weights
+        (version 0), in the same place; returns it once its engine is up. What the old one
+        had in flight is forgotten: its batches are gone, and the caller starts them again."""
+        ray.kill(self.workers[index], no_restart=True)
+        self._num_in_flight[index] = 0
+        self._worker_of = {key: i for key, i in self._worker_of.items() if i != index}
+        self._polls = [(i, future) for i, future in self._polls if i != index]
+        self.workers[index] = self._start(index)
+        ray.get(self.workers[index].ready.remote())
+        return self.workers[index]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
+        """Start each batch of samples (fresh or partial; keys unique among those in flight)
+        on the worker with the fewest samples in flight, one call per worker; returns each
+        key's worker. `poll(worker)` hands the batches back as they finish."""
+        # Count finished batches here, on the caller's thread, not in Ray's callbacks.
+        for polled in [p for p in self._polls if p[1].done()]:
+            self._polls.remove(polled)
+            future = polled[1]
+            if future.exception() is None:
+                for key, samples in future.result().items():
+                    self._num_in_flight[self._worker_of.pop(key)] -= len(samples)
+        per_worker: list[dict[int, list[Sample]]] = [{} for _ in self.workers]
+        for key, samples in batches.items():
+            index = min(range(len(self.workers)), key=lambda i: (self._num_in_flight[i], i))
+            per_worker[index][key] = samples
+            self._num_in_flight[index] += len(samples)
+            self._worker_of[key] = index
+        for worker, worker_batches in zip(self.workers, per_worker, strict=True):
+            if worker_batches:
+                worker.start.remote(worker_batches, params)
+        return {key: self._worker_of[key] for key in batches}
+
+    def poll(self, index: int) -> Future:
+        """Future of {key: samples} of the batches worker `index` finished since its last
+        poll (at least one); it raises WorkerLost if the worker's actor died."""
+        future: Future = Future()
+        self.workers[index].poll.remote().future().add_done_callback(
+            lambda polled: _relay(polled, future, index)
+        )
+        self._polls.append((index, future))
+        return future
+
+    def interrupt(self) -> int:
+        """Abort everything being generated (the futures then return partial samples)."""
+        return sum(self._on_live_workers("interrupt"))
+
+    def release_memory(self) -> None:
+        """Every engine frees its device memory for a colocated trainer (no-op on CPU)."""
+        self._on_live_workers("release_memory")
+
+    def reclaim_weights(self) -> None:
+        self._on_live_workers("reclaim_weights")
+
+    def reclaim_memory(self) -> None:
+        self._on_live_workers("reclaim_memory")
+
+    def peak_memory_mb(self) -> float:
+        """The largest worker's peak memory since the previous call, MiB (NaN when none
+        answers: MetricsLogger writes it as null)."""
+        return max(self._on_live_workers("peak_memory_mb"), default=math.nan)
+
+    def _on_live_workers(self, method: str) -> list:
+        """`method`'s results on every worker that answers: a dead one is skipped, as its
+        poll reports it (WorkerLost) or the next weight push replaces it."""
+        refs = [getattr(worker, method).remote() for worker in self.workers]
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except RayActorError:
+                pass
+        return results
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+        """params.n samples per prompt, ordered prompt by prompt; group_id = prompt index.
+
+        Blocking, the prompts spread evenly over the workers (held-out evaluation, tests)."""
+        samples = fresh_samples(prompts, params.n, list(range(len(prompts))))
+        num_workers = len(self.workers)
+        bounds = [len(samples) * i // num_workers for i in range(num_workers + 1)]
+        futures = [
+            worker.generate.remote(samples[start:end], params)
+            for worker, start, end in zip(self.workers, bounds, bounds[1:], strict=False)
+            if end > start
+        ]
+        return [sample for chunk in ray.get(futures) for sample in chunk]
+
+    def versions(self) -> list[int]:
+        """The policy version each worker currently serves."""
+        return ray.get([worker.version.remote() for worker in self.workers])
+
+
+def _relay(polled: Future, future: Future, index: int) -> None:
+    """On Ray's thread: hand a poll's outcome on, a dead actor as WorkerLost (the scheduler
+    knows no Ray types). An engine that failed raises its own error: that is no lost worker."""
+    error = polled.exception()
+    if isinstance(error, RayActorError):
+        future.set_exception(WorkerLost(index, type(error).__name__))
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(polled.result())

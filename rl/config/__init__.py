@@ -1,0 +1,40 @@
+"""The config tree (tree.py), how a recipe fills it (recipe.py), the cross-field rules that
+its types cannot express (checks.py), and the registries of names its keys select
+(registry.py). `from rl.config import Config` is the tree; the rest is imported by module.
+"""
+
+from rl.config.tree import (
+    AlgorithmConfig,
+    BaseBuildConfig,
+    CheckpointConfig,
+    Config,
+    CriticConfig,
+    DataConfig,
+    FaultsConfig,
+    ModelConfig,
+    RewardConfig,
+    RewardTermConfig,
+    RolloutConfig,
+    RunConfig,
+    SchedulerConfig,
+    Section,
+    TrainerConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "BaseBuildConfig",
+    "CheckpointConfig",
+    "Config",
+    "CriticConfig",
+    "DataConfig",
+    "FaultsConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RewardTermConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "Section",
+    "TrainerConfig",
+]

@@ -1,0 +1,202 @@
+"""Cross-field rules of a recipe that the config's field types cannot express, checked by
+`rl.config.recipe.load_config` after validation: each raises `ConfigError` naming the file, the keys
+and how to fix them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rl.config import Config
+
+
+class ConfigError(ValueError):
+    """A user error in a recipe or an override."""
+
+
+def check_consistency(cfg: Config, path: Path | str) -> None:
+    """Cross-field rules that the field types cannot express."""
+    num_sequences = cfg.run.prompts_per_step * cfg.algorithm.group_size
+    per_step = cfg.trainer.num_workers * cfg.trainer.num_mini_batches
+    if num_sequences % per_step:
+        raise ConfigError(
+            f"{path}: run.prompts_per_step * algorithm.group_size = {num_sequences} sequences must split "
+            f"evenly over trainer.num_workers * trainer.num_mini_batches = {per_step}; change one of them"
+        )
+    _check_registered_names(cfg, path)
+    _check_algorithm(cfg, path)
+    _check_trainer(cfg, path)
+    _check_rollout(cfg, path)
+    _check_scheduler(cfg, path)
+    for key, value in {
+        "trainer.num_workers": cfg.trainer.num_workers,
+        "rollout.num_workers": cfg.rollout.num_workers,
+        "run.num_steps": cfg.run.num_steps,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+    }.items():
+        if value < 1:
+            raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
+
+
+def _check_trainer(cfg: Config, path: Path | str) -> None:
+    from rl.algorithms.advantages import needs_critic  # torch: not at import
+    from rl.algorithms.objective import zero_advantage_rows_are_inert
+
+    trainer = cfg.trainer
+    if trainer.micro_batch_tokens < 0:
+        raise ConfigError(
+            f"{path}: trainer.micro_batch_tokens must be >= 0 (0 = trainer.micro_batch_size "
+            f"sequences), got {trainer.micro_batch_tokens}"
+        )
+    if trainer.packing and trainer.share_prompts:
+        raise ConfigError(
+            f"{path}: trainer.packing and trainer.share_prompts are two layouts of a "
+            "micro-batch (samples end to end, or one row per prompt); set one of them"
+        )
+    if trainer.skip_zero_advantage_rows and not zero_advantage_rows_are_inert(cfg.algorithm):
+        raise ConfigError(
+            f"{path}: trainer.skip_zero_advantage_rows leaves out rows whose loss is exactly 0, "
+            f"but with algorithm.kl_coef={cfg.algorithm.kl_coef} (kl_in_reward="
+            f"{cfg.algorithm.kl_in_reward}) and algorithm.entropy_coef="
+            f"{cfg.algorithm.entropy_coef} every row has a gradient; set "
+            "algorithm.kl_coef=0 (or kl_in_reward=true) and algorithm.entropy_coef=0, or drop it"
+        )
+    if trainer.sharding != "hybrid":
+        if trainer.shard_group_size:
+            raise ConfigError(
+                f"{path}: trainer.shard_group_size sizes hybrid sharding; with "
+                f"trainer.sharding={trainer.sharding} drop it (or set trainer.sharding=hybrid)"
+            )
+        return
+    ranks = {"trainer.num_workers": trainer.num_workers}
+    if needs_critic(cfg):
+        ranks["critic ranks"] = cfg.critic_world_size()
+    size = trainer.shard_group_size
+    for key, num_ranks in ranks.items():
+        if size < 1 or num_ranks % size:
+            raise ConfigError(
+                f"{path}: trainer.sharding=hybrid needs trainer.shard_group_size, the ranks per "
+                f"shard group, >= 1 and dividing {key}={num_ranks}; got {size}"
+            )
+
+
+def _check_rollout(cfg: Config, path: Path | str) -> None:
+    from rollout.engines.registry import ENGINES
+
+    rollout = cfg.rollout
+    traits = ENGINES.traits(rollout.engine)
+    if not traits.tensor_parallel and rollout.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"{path}: rollout.engine={rollout.engine} runs each engine in one process: set "
+            f"rollout.tensor_parallel_size=1 (got {rollout.tensor_parallel_size}), or use "
+            f"rollout.engine={'/'.join(ENGINES.names(lambda t: t.tensor_parallel))} for "
+            "tensor parallelism"
+        )
+    if not traits.compiles and rollout.compile is not None:
+        raise ConfigError(
+            f"{path}: rollout.compile={rollout.compile} chooses how the engine runs its model; "
+            f"rollout.engine={rollout.engine} has no compiled mode: drop rollout.compile"
+        )
+
+
+def _check_scheduler(cfg: Config, path: Path | str) -> None:
+    sched, tp = cfg.scheduler, cfg.rollout.tensor_parallel_size
+    if sched.devices_per_node % tp:
+        raise ConfigError(
+            f"{path}: scheduler.devices_per_node={sched.devices_per_node} must be a multiple of "
+            f"rollout.tensor_parallel_size={tp}: an engine's tensor-parallel ranks share one node"
+        )
+    if sched.placement == "split" and sched.num_devices:
+        raise ConfigError(
+            f"{path}: scheduler.num_devices sizes the colocated pool; with "
+            "scheduler.placement=split set scheduler.rollout_devices and "
+            "scheduler.trainer_devices instead"
+        )
+    if sched.placement == "colocate":
+        for key in ("rollout_devices", "trainer_devices"):
+            if getattr(sched, key):
+                raise ConfigError(
+                    f"{path}: scheduler.{key} sizes the split placement; with "
+                    "scheduler.placement=colocate every role shares one pool (set "
+                    "scheduler.placement=split, or drop the key)"
+                )
+        return
+    for key, value in (
+        ("rollout_devices", sched.rollout_devices),
+        ("trainer_devices", sched.trainer_devices),
+    ):
+        if value < 0:
+            raise ConfigError(f"{path}: scheduler.{key} must be >= 0 (0 = sized from workers)")
+    if sched.rollout_devices and sched.rollout_devices % tp:
+        raise ConfigError(
+            f"{path}: scheduler.rollout_devices={sched.rollout_devices} must be a multiple of "
+            f"rollout.tensor_parallel_size={tp} (each rollout worker spans that many devices)"
+        )
+
+
+def _check_algorithm(cfg: Config, path: Path | str) -> None:
+    algo = cfg.algorithm
+    if algo.group_size < 1:
+        raise ConfigError(f"{path}: algorithm.group_size must be >= 1, got {algo.group_size}")
+    from rl.algorithms.advantages import ADVANTAGES
+
+    if ADVANTAGES.traits(algo.advantage).group_baseline and algo.group_size < 2:
+        raise ConfigError(
+            f"{path}: algorithm.advantage={algo.advantage} needs algorithm.group_size >= 2 "
+            "(its baseline is the other responses to the same prompt)"
+        )
+    if algo.dual_clip and algo.dual_clip <= 1:
+        raise ConfigError(
+            f"{path}: algorithm.dual_clip must be 0 (off) or > 1, got {algo.dual_clip}"
+        )
+    if algo.kl_target > 0 and not (algo.kl_in_reward and algo.kl_coef > 0):
+        raise ConfigError(
+            f"{path}: algorithm.kl_target adapts the KL reward penalty; it needs "
+            "algorithm.kl_in_reward=true and an initial algorithm.kl_coef > 0"
+        )
+    if algo.max_sampling_rounds < 1:
+        raise ConfigError(f"{path}: algorithm.max_sampling_rounds must be >= 1")
+    if not 0 <= algo.overlong_buffer < cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"{path}: algorithm.overlong_buffer={algo.overlong_buffer} must be in "
+            f"[0, rollout.max_new_tokens={cfg.rollout.max_new_tokens})"
+        )
+    from rl.data.tasks import get_task
+
+    if get_task(cfg.data.task).needs_files and not cfg.data.train_files:
+        raise ConfigError(
+            f"{path}: data.task={cfg.data.task} is read from files: set data.train_files and "
+            "data.test_files (jsonl or parquet with prompt and answer columns)"
+        )
+    if cfg.critic.num_workers < 0:
+        raise ConfigError(f"{path}: critic.num_workers must be >= 0 (0 = trainer.num_workers)")
+    from rl.rewards import check_reward_terms
+
+    try:
+        check_reward_terms(cfg.reward)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: reward.terms: {exc}") from None
+
+
+def _check_registered_names(cfg: Config, path: Path | str) -> None:
+    """Names looked up in registries fail here, not after the actors have started."""
+    from rl.algorithms.advantages import ADVANTAGES
+    from rl.algorithms.aggregation import LOSS_AGGREGATIONS
+    from rl.algorithms.kl import KL_ESTIMATORS
+    from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
+    from rl.algorithms.policy_losses import POLICY_LOSSES
+    from rl.data.tasks import TASKS
+    from rollout.engines.registry import ENGINES
+
+    for key, value, registry in (
+        ("data.task", cfg.data.task, TASKS),
+        ("rollout.engine", cfg.rollout.engine, ENGINES),
+        ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES),
+        ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
+        ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
+        ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
+        ("algorithm.off_policy", cfg.algorithm.off_policy, OFF_POLICY_CORRECTIONS),
+    ):
+        if value not in registry:
+            raise ConfigError(
+                f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
+            )

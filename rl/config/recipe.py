@@ -1,0 +1,266 @@
+"""Recipes: a YAML file plus `dotted.key=value` overrides, validated into one `Config`.
+
+Every failure raises `ConfigError` naming the file, the key and how to fix it, before any
+actor starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rl.config import Config
+from rl.config.checks import ConfigError, check_consistency
+
+
+def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
+    """Read `recipe`, apply `overrides` in order, validate. Raises ConfigError."""
+    path = Path(recipe)
+    tree = _read_recipe(path, chain=())
+    for override in overrides:
+        key, value = _parse_override(override, path)
+        _set_dotted(tree, key, value, path)
+    try:
+        config = Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe_validation_error(exc, path, overrides)) from None
+    check_consistency(config, path)
+    return config
+
+
+def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict:
+    """The recipe's tree, merged over the recipe it `extends` (a path relative to it), if any.
+
+    One level of sharing keeps variants (dapo, rloo, ...) to the lines that differ.
+    """
+    if not path.is_file():
+        where = f" (extended by {chain[-1]})" if chain else ""
+        raise ConfigError(
+            f"recipe file not found: {path}{where} (recipes live in recipes/, e.g. "
+            "recipes/grpo_addition_cpu.yaml)"
+        )
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: `extends` loops back to itself through {chain}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"{path}: a recipe is a mapping of sections (model:, trainer:, ...), got {type(tree).__name__}"
+        )
+    parent = tree.pop("extends", None)
+    _check_keys(tree, Config, path, prefix="")
+    if parent is None:
+        return tree
+    base = _read_recipe(path.parent / str(parent), (*chain, path.resolve()))
+    return _deep_merge(base, tree)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parse_override(override: str, path: Path) -> tuple[str, Any]:
+    if "=" not in override:
+        raise ConfigError(
+            f"override {override!r} is not key=value (e.g. trainer.lr=3e-6); recipe {path}"
+        )
+    key, raw = override.split("=", 1)
+    # YAML scalars: numbers, booleans, null, lists such as [0.9,0.95]; anything else stays a string.
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _set_dotted(tree: dict, key: str, value: Any, path: Path) -> None:
+    parts = key.split(".")
+    model: type[BaseModel] = Config
+    node = tree
+    for depth, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:depth])
+            raise ConfigError(
+                _unknown_key_message(key, part, model, where, path, source=f"override {key}=")
+            )
+        annotation = fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if depth == len(parts) - 1:
+            node[part] = value
+        elif not is_section:
+            raise ConfigError(
+                f"override {key!r}: {'.'.join(parts[: depth + 1])} is a value, not a section; recipe {path}"
+            )
+        else:
+            node = node.setdefault(part, {})
+            model = annotation
+
+
+def _check_keys(tree: dict, model: type[BaseModel], path: Path, prefix: str) -> None:
+    for key, value in tree.items():
+        if key not in model.model_fields:
+            raise ConfigError(
+                _unknown_key_message(prefix + str(key), str(key), model, prefix.rstrip("."), path)
+            )
+        annotation = model.model_fields[key].annotation
+        if (
+            isinstance(annotation, type)
+            and issubclass(annotation, BaseModel)
+            and isinstance(value, dict)
+        ):
+            _check_keys(value, annotation, path, prefix=f"{prefix}{key}.")
+
+
+def _unknown_key_message(
+    full_key: str, part: str, model: type[BaseModel], where: str, path: Path, source: str = ""
+) -> str:
+    valid = list(model.model_fields)
+    close = difflib.get_close_matches(part, valid, n=3, cutoff=0.5)
+    section = f"section '{where}'" if where else "the top level"
+    hint = f"; did you mean {', '.join(repr(_join(where, c)) for c in close)}?" if close else ""
+    origin = f" (from {source.rstrip('=')})" if source else ""
+    return (
+        f"{path}: unknown key '{full_key}'{origin}{hint} Valid keys in {section}: {', '.join(valid)}. "
+        "`rl train --help-config` lists every key."
+    )
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _describe_validation_error(exc: ValidationError, path: Path, overrides: list[str]) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"])
+        source = next((o for o in overrides if o.split("=", 1)[0].strip() == key), None)
+        origin = f" (from override {source})" if source else ""
+        got = f"; got {error['input']!r}" if error["type"] != "missing" else ""
+        lines.append(f"  {key}: {error['msg']}{got}{origin}")
+    return "\n".join(lines)
+
+
+def describe_config() -> str:
+    """Every key with its type, default and description, for `rl train --help-config`."""
+    lines: list[str] = []
+    _describe_model(Config, "", lines)
+    return "\n".join(lines)
+
+
+def _describe_model(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"{prefix}{name}:")
+            _describe_model(annotation, prefix + name + ".", lines)
+            continue
+        type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+        type_name = type_name.replace("typing.", "")
+        default = "(required)" if field.is_required() else repr(field.default)
+        lines.append(f"  {prefix}{name}: {type_name} = {default}  # {field.description}")
+
+
+def check_inputs(cfg: Config, path: Path | str) -> None:
+    """The files a run reads exist and hold usable rows: the model checkpoint and any data
+    files (every row with a prompt and an answer, unless data.bad_rows=skip)."""
+    from rl.data.loading import check_data_files, load_examples, prompt_token_limit
+
+    _check_model_path(cfg, path)
+    try:
+        check_data_files(cfg.data)
+        prompt_token_limit(cfg)
+        if cfg.data.train_files:
+            for split in ("train", "test"):
+                load_examples(cfg.data, split)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _check_model_path(cfg: Config, path: Path | str) -> None:
+    """model.path must be an HF checkpoint directory, unless the recipe builds its own base."""
+    model_dir = Path(cfg.model.path)
+    if not model_dir.exists():
+        if cfg.base.build_if_missing:
+            return
+        raise ConfigError(
+            f"{path}: model.path={cfg.model.path!r} does not exist. Point it at a local Hugging Face "
+            f"checkpoint directory, or build the tiny base with `rl build-base {path}` "
+            "(or set base.build_if_missing=true)."
+        )
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{path}: model.path={cfg.model.path!r} has no config.json; it must be a Hugging Face "
+            "causal-LM directory (config.json, *.safetensors, tokenizer files)"
+        )
+    if cfg.model.frozen:
+        try:
+            cfg.model.frozen_names(_checkpoint_tensor_names(model_dir))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+def _checkpoint_tensor_names(model_dir: Path) -> list[str]:
+    """Tensor names stored in an HF checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None = None) -> str:
+    """What `rl train --dry-run` prints: the resolved config, the placement, missing inputs,
+    and the memory each rank needs (`rl.cluster.memory_plan`; PlanDoesNotFit when the devices told
+    or seen cannot hold it).
+
+    Missing inputs are reported, not fatal: GPU recipes name checkpoints and data that live
+    on the cluster, and CI dry-runs every recipe on this machine.
+    """
+    from rl.cluster.memory_plan import memory_report
+    from rl.cluster.placement import plan_placement
+
+    try:
+        check_inputs(cfg, path)
+        inputs = "inputs (model.path, data files): ok"
+    except ConfigError as exc:
+        inputs = f"inputs NOT READY HERE: {exc}"
+    return "\n".join(
+        [
+            f"{path}: config ok",
+            cfg.model_dump_json(indent=2),
+            plan_placement(cfg).describe(),
+            _describe_overlap(cfg),
+            inputs,
+            memory_report(cfg, device_memory_gb),
+            "dry run: nothing started",
+        ]
+    )
+
+
+def _describe_overlap(cfg: Config) -> str:
+    """The scheduler's staleness bound and how stale samples are corrected."""
+    k = cfg.scheduler.max_staleness
+    correction = cfg.algorithm.off_policy
+    from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, proximal_from_forward
+
+    if not OFF_POLICY_CORRECTIONS.traits(correction).needs_proximal:
+        how = "PPO ratio and clip against each token's behaviour log-prob"
+    elif proximal_from_forward(cfg):
+        how = f"{correction} against proximal log-probs taken from the training forward"
+    else:
+        how = f"{correction} against proximal log-probs recomputed by a trainer pass"
+    return (
+        f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
+        f"partial_rollout={cfg.scheduler.partial_rollout}; off-policy correction: {how}"
+    )

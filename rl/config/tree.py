@@ -1,0 +1,496 @@
+"""The one typed config tree. A recipe YAML fills it (rl.config.recipe); `key=value`
+overrides patch it.
+
+Every field has a single definition here with a one-line description, which is what
+`rl train --help-config` prints. Unknown keys are errors (extra="forbid"). The sections go
+from the run level (where roles run, how far generation runs ahead, saving, faults, length and
+reporting) to the model, data, rollout, trainer, algorithm, critic and reward sections, and
+`Config`, the root.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SchedulerConfig(Section):
+    """Where roles run on the device pool, and how far generation may run ahead of training."""
+
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: every role shares every device, time-sliced; split: rollout and "
+        "trainer get disjoint devices.",
+    )
+    rollout_devices: int = Field(
+        0,
+        description="split: devices for the rollout workers (0 = rollout.num_workers x "
+        "tensor_parallel_size).",
+    )
+    trainer_devices: int = Field(
+        0,
+        description="split: devices the trainer ranks (and critic, reward models) share "
+        "(0 = trainer.num_workers).",
+    )
+    num_devices: int = Field(
+        0,
+        ge=0,
+        description="colocate: devices (bundles) of the shared pool (0 = as many as the largest "
+        "role needs); more give a time-sliced CPU rollout engine more threads, e.g. 2 with one "
+        "trainer rank on a 2-CPU machine (set trainer.num_threads to match).",
+    )
+    devices_per_node: int = Field(
+        0,
+        ge=0,
+        description="Devices each node gives the run: every pool (colocate: the whole pool; "
+        "split: rollout's and trainer's) is reserved in groups of at most this many, each packed "
+        "on one node (0 = each pool on one node).",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="k: a trained sample's oldest token is at most k policy versions old; 0 = "
+        "on-policy, k >= 1 generates the next steps while the trainer trains.",
+    )
+    partial_rollout: Literal["finish", "abort"] = Field(
+        "finish",
+        description="At a weight sync, generations in flight finish under the old weights, or "
+        "are aborted and resumed under the new ones with their prefix kept.",
+    )
+
+    @property
+    def time_sliced(self) -> bool:
+        """Roles take turns on the same devices: colocated and on-policy (k = 0)."""
+        return self.placement == "colocate" and self.max_staleness == 0
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")
+    output_dir: str = Field("runs", description="Parent of run directories.")
+    seed: int = Field(0, description="Seed for prompt order, sampling and initialisation.")
+    num_steps: int = Field(20, description="RL steps (generate, score, train, sync).")
+    prompts_per_step: int = Field(
+        32, description="Prompts per step; each gets group_size responses."
+    )
+    eval_every: int = Field(
+        10, description="Evaluate held-out greedy accuracy every N steps (0 = start/end only)."
+    )
+    num_eval_prompts: int = Field(200, description="Held-out prompts per evaluation.")
+    export_hf: bool = Field(
+        True, description="Export the final policy as an HF checkpoint in the run directory."
+    )
+    log_format: Literal["progress", "json"] = Field(
+        "progress",
+        description="Console output: progress (a live display of step i/N, ETA, the running "
+        "phases and key numbers on a terminal; a line a step elsewhere), or json (each step's "
+        "record and each message as one JSON object a line, for machines).",
+    )
+    verbose: bool = Field(
+        False,
+        description="Stream Ray's and vLLM's worker output to the console; otherwise each actor "
+        "writes to runs/NAME/logs/ROLE.log.",
+    )
+    wandb_mode: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto",
+        description="wandb: auto = online when this machine has wandb credentials "
+        "(WANDB_API_KEY or `wandb login`), else offline under the run directory; a WANDB_MODE "
+        "environment variable wins over auto.",
+    )
+    wandb_project: str = Field("tandem", description="wandb project.")
+    tensorboard: bool = Field(
+        True, description="Also write the step metrics as tensorboard scalars (RUN/tensorboard)."
+    )
+
+
+class CheckpointConfig(Section):
+    """Checkpoints that continue a run exactly (`rl train RECIPE --resume auto|PATH`)."""
+
+    every: int = Field(
+        0, description="Write a checkpoint every N steps (0 = only at the end and on preemption)."
+    )
+    keep_last: int = Field(2, description="Checkpoints kept in run_dir/checkpoints (>= 1).")
+    save_final: bool = Field(True, description="Write a checkpoint after the last step.")
+
+
+class FaultsConfig(Section):
+    """How many failures a run absorbs before it stops, loudly."""
+
+    max_trainer_restarts: int = Field(
+        2,
+        description="A trainer or critic rank that dies: rebuild every role from the last "
+        "checkpoint, at most this many times per run.",
+    )
+    max_rollout_restarts: int = Field(
+        3,
+        description="A rollout worker that dies: restart it on the current weights and "
+        "regenerate its prompts, at most this many times per run.",
+    )
+    reward_model_retries: int = Field(
+        2, description="A reward-model actor that dies: restart it and retry a call this often."
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        description="Steps with a NaN/inf loss or gradient are skipped; this many in a row "
+        "stop the run with a checkpoint of the last good state.",
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        description="Local Hugging Face causal-LM directory (config, safetensors, tokenizer)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Compute dtype of trainer (over fp32 master weights) and rollout; "
+        "float16 adds dynamic loss scaling (trainer/loss_scale.py).",
+    )
+    frozen: list[str] = Field(
+        [],
+        description="Glob patterns of HF parameter names the policy never trains (e.g. "
+        "'model.embed_tokens.*'); they are not optimised and not re-sent at weight sync.",
+    )
+
+    def frozen_names(self, names: list[str]) -> list[str]:
+        """The `names` that `frozen` matches; a pattern matching none of them is an error."""
+        matched = []
+        for pattern in self.frozen:
+            hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+            if not hits:
+                raise ValueError(
+                    f"model.frozen: {pattern!r} matches no parameter of {self.path}; names "
+                    f"look like {', '.join(names[:3])}, ..."
+                )
+            matched += hits
+        return matched
+
+
+class BaseBuildConfig(Section):
+    """The tiny pretrained checkpoint the CPU recipes build for themselves (`rl build-base`)."""
+
+    build_if_missing: bool = Field(
+        False, description="Build an SFT base at model.path when it does not exist."
+    )
+    vocab_size: int = Field(
+        260,
+        description="Target BPE vocabulary size (byte-level, so never below 260 tokens).",
+    )
+    hidden_size: int = Field(128, description="Qwen2 hidden size.")
+    num_layers: int = Field(2, description="Qwen2 decoder layers.")
+    num_heads: int = Field(
+        4,
+        description="Attention heads (head_dim = hidden_size / num_heads, at least 32 for vLLM CPU).",
+    )
+    num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(1024, description="MLP width.")
+    tie_word_embeddings: bool = Field(
+        False, description="Share input embedding and lm_head weights."
+    )
+    sft_steps: int = Field(
+        1500, description="Most supervised fine-tuning steps on the task's train split."
+    )
+    sft_batch_size: int = Field(64, description="Sequences per SFT step.")
+    sft_lr: float = Field(2e-3, description="Peak SFT learning rate (cosine decay, short warmup).")
+    sft_target_accuracy: float = Field(
+        0.3,
+        description="Stop SFT once greedy accuracy on train examples held out from SFT reaches "
+        "this (0 = run all sft_steps); leaves RL headroom.",
+    )
+
+
+class DataConfig(Section):
+    task: str = Field("addition", description="Task name from rl.data.tasks (addition, countdown).")
+    dir: str = Field(
+        ".cache/data", description="Where generated train/test jsonl splits are written and read."
+    )
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="jsonl/parquet files with prompt and answer columns; when set they replace "
+        "the generated train split (GSM8K- or MATH-style data).",
+    )
+    test_files: list[str] = Field(
+        default_factory=list, description="Held-out files, as train_files (required with them)."
+    )
+    num_train: int = Field(20000, description="Generated train prompts.")
+    num_test: int = Field(500, description="Generated held-out prompts.")
+    num_digits: int = Field(3, description="Addition: digits per operand.")
+    zero_pad: bool = Field(
+        True,
+        description="Addition: zero-pad answers to num_digits+1 digits (123+456 -> 0579), so each "
+        "answer digit sits at a fixed offset from its column whatever the sum's length.",
+    )
+    num_operands: int = Field(3, description="Countdown: numbers given (3 or 4).")
+    seed: int = Field(
+        1234, description="Seed of the task generator (splits are disjoint and deterministic)."
+    )
+    bad_rows: Literal["error", "skip"] = Field(
+        "error",
+        description="Rows of data files with a missing field or an empty prompt: stop with an "
+        "error naming the file and row, or skip them and count them.",
+    )
+    max_prompt_tokens: int = Field(
+        0,
+        description="Drop (and count) prompts longer than this many tokens (0 = "
+        "rollout.max_model_len - rollout.max_new_tokens, what the engine can take).",
+    )
+
+
+class RolloutConfig(Section):
+    engine: str = Field(
+        "vllm",
+        description="Rollout engine from rollout.engines.registry.ENGINES: vllm, or torch (plain PyTorch "
+        "over a KV cache, CPU, no tensor parallelism), faster for tiny models on CPU where "
+        "vLLM's per-step cost dominates.",
+    )
+    num_workers: int = Field(1, description="RolloutWorker actors, one engine each.")
+    tensor_parallel_size: int = Field(1, description="vLLM tensor parallelism inside each worker.")
+    kv_cache_gb: float = Field(
+        1.0, description="vLLM CPU KV-cache size per worker in GiB (never vLLM's all-RAM default)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.4, description="vLLM GPU memory fraction per worker (GPU only)."
+    )
+    max_model_len: int = Field(256, description="Longest prompt+response the engine accepts.")
+    compile: bool | None = Field(
+        None,
+        description="vllm: compile the model (vLLM's enforce_eager=false). null = compiled on "
+        "GPU, eager on CPU, where compiling costs start-up that only longer runs repay.",
+    )
+    max_new_tokens: int = Field(16, description="Response length cap.")
+    temperature: float = Field(
+        1.0, description="Sampling temperature (also used for trainer log-probs)."
+    )
+    top_p: float = Field(1.0, description="Nucleus sampling threshold.")
+    weight_transport: Literal["auto", "shared_memory", "distributed"] = Field(
+        "auto",
+        description="Weight-sync transport: shared memory on one node, a gloo group between "
+        "trainer and rollout ranks across nodes; auto picks from the placement.",
+    )
+    weight_bucket_mb: float = Field(
+        64.0,
+        gt=0,
+        description="Weight-sync bucket size in MiB of full fp32 tensors (a layer larger than "
+        "this travels alone); each process holds at most two buckets extra during a sync.",
+    )
+
+
+class TrainerConfig(Section):
+    num_workers: int = Field(
+        2, description="TrainWorker actors in one torch.distributed group (FSDP2 ranks)."
+    )
+    lr: float = Field(1e-5, description="AdamW learning rate (constant after warmup).")
+    warmup_steps: int = Field(0, description="Linear LR warmup optimizer steps.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, description="Global gradient-norm clip.")
+    micro_batch_size: int = Field(
+        32,
+        description="Sequences per forward/backward on one rank (when micro_batch_tokens is 0).",
+    )
+    micro_batch_tokens: int = Field(
+        0,
+        description="Token positions per forward/backward on one rank (padding included, so "
+        "rows x longest unless packing); rows are dealt to the ranks balanced by length "
+        "(Karmarkar-Karp). 0 = micro_batch_size sequences, contiguous rows per rank.",
+    )
+    packing: bool = Field(
+        False,
+        description="Pack each micro-batch's samples end to end into rows as wide as its longest "
+        "one (attention kept within each sample, positions restarted) instead of padding them.",
+    )
+    share_prompts: bool = Field(
+        False,
+        description="Compute the rows of a micro-batch that share a prompt (a GRPO group) as one "
+        "row: the prompt once, then each response, attending to the prompt and to itself. Pays "
+        "where prompts are long against responses; keep a group in one micro-batch (a "
+        "micro_batch_size that is a multiple of group_size, no micro_batch_tokens).",
+    )
+    skip_zero_advantage_rows: bool = Field(
+        False,
+        description="Leave out of forward and backward the rows whose advantage is 0 on every "
+        "token (GRPO groups whose samples all scored the same): their loss and gradient are "
+        "exactly 0, and the loss keeps the whole batch's denominator, so the update is the "
+        "same. Needs a loss without a KL or entropy term (algorithm.kl_coef = 0 or "
+        "kl_in_reward, algorithm.entropy_coef = 0); actor/* metrics then cover the rows trained.",
+    )
+    sharding: Literal["zero3", "zero2", "hybrid", "none"] = Field(
+        "zero3",
+        description="FSDP2 strategy: zero3 gathers each layer's parameters for forward and "
+        "again for backward; zero2 keeps them gathered in between; hybrid shards within groups "
+        "of shard_group_size ranks and replicates across them; none replicates (DDP-like).",
+    )
+    shard_group_size: int = Field(
+        0, description="sharding=hybrid: ranks per shard group (a node's ranks); divides the ranks."
+    )
+    offload: bool = Field(
+        False,
+        description="Keep sharded parameters, gradients and optimizer state in CPU memory "
+        "(FSDP2 CPU offload) on GPU runs; on CPU they are there already.",
+    )
+    num_mini_batches: int = Field(1, description="Optimizer steps per rollout batch per epoch.")
+    num_epochs: int = Field(1, description="Passes over each rollout batch.")
+    logprob_impl: Literal["fused", "naive"] = Field(
+        "fused",
+        description="LM-head log-probs: the fused kernel (never holds [tokens, vocab] logits) or "
+        "the naive full-logits path, for comparison.",
+    )
+    logprob_chunk_size: int = Field(
+        512, description="Fused kernel (PyTorch path): tokens per chunk."
+    )
+    logprob_vocab_chunk_size: int = Field(
+        8192, description="Fused kernel (PyTorch path): vocabulary columns per chunk."
+    )
+    num_threads: int = Field(1, description="torch intra-op threads per trainer rank on CPU.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's forward in backward instead of keeping its "
+        "activations (policy and critic): far less memory, about a third more compute.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (policy, reference, critic), fusing its "
+        "elementwise work; the first steps pay the compile. On CPU it needs a C++ compiler.",
+    )
+
+
+class AlgorithmConfig(Section):
+    """Advantages, policy loss, KL control and off-policy correction (names from rl.algorithms)."""
+
+    group_size: int = Field(8, description="Responses sampled per prompt (G).")
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator from rl.algorithms.advantages (gae needs a critic).",
+    )
+    normalize_std: bool = Field(
+        True, description="grpo: divide group-centred rewards by the group std (off = Dr.GRPO)."
+    )
+    gamma: float = Field(1.0, description="gae, reinforce_pp: discount factor.")
+    lam: float = Field(1.0, description="gae: lambda.")
+    whiten_advantages: bool = Field(
+        True, description="gae: normalise advantages over the batch's valid tokens."
+    )
+    policy_loss: str = Field("clipped", description="Policy loss from rl.algorithms.policy_losses.")
+    clip_low: float = Field(0.2, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = Field(
+        0.2, description="PPO ratio clip above 1 (clip-higher, DAPO, when > clip_low)."
+    )
+    dual_clip: float = Field(
+        0.0,
+        description="Dual-clip bound c > 1 on the loss of negative-advantage tokens (0 = off).",
+    )
+    loss_agg: str = Field(
+        "token-mean", description="Loss aggregation from rl.algorithms.aggregation."
+    )
+    kl_coef: float = Field(
+        0.0, description="Weight of the KL to the frozen reference (0 = no reference at all)."
+    )
+    kl_estimator: str = Field("k3", description="KL estimator from rl.algorithms.kl.")
+    kl_in_reward: bool = Field(
+        False,
+        description="Subtract kl_coef * KL from the per-token rewards (PPO-style) instead of "
+        "adding it to the loss.",
+    )
+    kl_target: float = Field(
+        0.0,
+        description="kl_in_reward: adapt kl_coef towards this per-sequence KL (0 = fixed coef).",
+    )
+    kl_horizon: int = Field(10000, description="Adaptive KL controller horizon (samples).")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
+    off_policy: str = Field(
+        "none",
+        description="Importance-sampling correction from rl.algorithms.off_policy "
+        "(behaviour log-probs recorded at generation vs a recomputed proximal policy). With "
+        "none, PPO's ratio and clip are taken against each token's behaviour log-prob, which "
+        "corrects stale samples (scheduler.max_staleness > 0) by itself.",
+    )
+    is_cap: float = Field(2.0, description="Truncated IS: weights capped at this C.")
+    is_low: float = Field(0.5, description="Masked IS: tokens/sequences with weight below dropped.")
+    is_high: float = Field(
+        2.0, description="Masked IS: tokens/sequences with weight above dropped."
+    )
+    recompute_old_logprobs: bool = Field(
+        False,
+        description="Recompute old log-probs with the trainer (the proximal policy of decoupled "
+        "PPO) instead of using the behaviour log-probs; always on with an off_policy correction.",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal and generate more prompts until "
+        "the batch is full.",
+    )
+    max_sampling_rounds: int = Field(
+        3, description="Dynamic sampling: most generation rounds per step (then train on fewer)."
+    )
+    overlong_buffer: int = Field(
+        0,
+        description="DAPO overlong shaping: responses longer than max_new_tokens - buffer lose up "
+        "to overlong_penalty, linearly (0 = off).",
+    )
+    overlong_penalty: float = Field(1.0, description="Overlong shaping: the largest penalty.")
+
+
+class CriticConfig(Section):
+    """The PPO value model: its own FSDP2 group and optimizer (used when advantage=gae)."""
+
+    path: str = Field(
+        "", description="HF checkpoint to initialise from (empty = model.path, the policy)."
+    )
+    num_workers: int = Field(0, description="Critic ranks (0 = trainer.num_workers).")
+    lr: float = Field(1e-5, description="Critic AdamW learning rate.")
+    warmup_steps: int = Field(0, description="Critic linear LR warmup optimizer steps.")
+    max_grad_norm: float = Field(1.0, description="Critic gradient-norm clip.")
+    value_clip: float = Field(
+        0.2, description="Clip new values to old values +- this (0 = no value clipping)."
+    )
+
+
+class RewardTermConfig(Section):
+    """One reward: a verifier, a user's function or a reward model, with a weight."""
+
+    name: str = Field(
+        "task",
+        description="'task' (the data task's verifier), a registered verifier from "
+        "rl.rewards.VERIFIERS, 'path/to/file.py:function', or 'model:PATH' (HF "
+        "sequence-classification checkpoint).",
+    )
+    weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+
+
+class RewardConfig(Section):
+    terms: list[RewardTermConfig] = Field(
+        default_factory=lambda: [RewardTermConfig()],
+        description="Rewards summed with their weights.",
+    )
+    timeout_s: float = Field(
+        10.0, description="A reward function slower than this scores 0 for that sample."
+    )
+    on_error: Literal["zero", "fail"] = Field(
+        "zero",
+        description="A reward function that raises or times out: score 0 and count it, or fail.",
+    )
+    num_processes: int = Field(2, description="Worker processes evaluating reward functions.")
+    model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
+
+
+class Config(Section):
+    model: ModelConfig
+    base: BaseBuildConfig = BaseBuildConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
+    reward: RewardConfig = RewardConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    faults: FaultsConfig = FaultsConfig()
+    run: RunConfig = RunConfig()
+
+    def critic_world_size(self) -> int:
+        """critic.num_workers, where 0 means as many ranks as the policy trainer."""
+        return self.critic.num_workers or self.trainer.num_workers

@@ -1,0 +1,223 @@
+"""From generated samples to a training step, for the scheduler (rl.run.scheduler.loop).
+
+`StreamingScorer` scores one group at a time (with DAPO's overlong shaping) off the driver's
+thread; `TrainerSide` computes the model annotations a step needs (proximal and reference
+log-probs, values) as groups arrive, then builds the batch (advantages, KL penalty, off-policy
+weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
+read, and tested, in one place.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from rl.algorithms.advantages import ADVANTAGES
+from rl.algorithms.dapo import overlong_penalty
+from rl.algorithms.kl import KL_ESTIMATORS, adaptive_kl_coef
+from rl.algorithms.masked import at_last_token, masked_mean
+from rl.algorithms.off_policy import (
+    OFF_POLICY_CORRECTIONS,
+    proximal_from_forward,
+    recomputes_old_logprobs,
+)
+from rl.cluster.memory_plan import ModelShape
+from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
+from rl.config import AlgorithmConfig, Config
+from rl.observe.flops import peak_flops, train_flops_per_token
+from rl.rewards import RewardScorer
+from rl.run.batching import build_batch, per_sample
+from rl.sync.weight_sync import WeightSync
+from rl.types import Batch, Sample
+
+
+class StreamingScorer:
+    """Scores groups on one background thread, so the driver keeps dispatching meanwhile."""
+
+    def __init__(self, cfg: Config, scorer: RewardScorer) -> None:
+        self.cfg = cfg
+        self.scorer = scorer
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
+        """Future of (scores per group, metrics) for (samples, example) pairs, each group's
+        samples answering its example; one call to the reward functions for them all."""
+        return self._thread.submit(self._score, groups)
+
+    def _score(
+        self, groups: list[tuple[list[Sample], dict]]
+    ) -> tuple[list[list[float]], dict[str, float]]:
+        algo = self.cfg.algorithm
+        samples = [sample for group, _ in groups for sample in group]
+        examples = [example for group, example in groups for _ in group]
+        scores, metrics = self.scorer.score(
+            [example["prompt"] for example in examples],
+            [sample.response_text for sample in samples],
+            examples,
+        )
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        scores = scores + overlong_penalty(
+            lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )
+        per_group = scores.split([len(group) for group, _ in groups])
+        return [group.tolist() for group in per_group], metrics
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.scorer.close()
+
+
+class KLController:
+    """The KL-penalty coefficient: fixed, or adapted towards `algorithm.kl_target`."""
+
+    def __init__(self, cfg: AlgorithmConfig) -> None:
+        self.cfg = cfg
+        self.coef = cfg.kl_coef
+
+    def update(self, observed_kl: float, num_samples: int) -> None:
+        if self.cfg.kl_target > 0:
+            self.coef = adaptive_kl_coef(
+                self.coef, observed_kl, self.cfg.kl_target, num_samples, self.cfg.kl_horizon
+            )
+
+
+def annotate_samples(
+    cfg: Config,
+    samples: list[Sample],
+    pad_id: int,
+    trainers: PolicyRanks,
+    critic: CriticRanks | None,
+) -> list[Sample]:
+    """Fill each sample's proximal (when recomputed) and reference (when KL is on) log-probs
+    and critic values, from the trainer side's current weights; returns `samples`."""
+    batch = build_batch(samples, pad_id)
+    if recomputes_old_logprobs(cfg):
+        for sample, values in zip(
+            samples, per_sample(trainers.compute_logprobs(batch), samples), strict=True
+        ):
+            sample.old_logprobs = values
+    if cfg.algorithm.kl_coef > 0:
+        ref = trainers.compute_logprobs(batch, model="reference")
+        for sample, values in zip(samples, per_sample(ref, samples), strict=True):
+            sample.ref_logprobs = values
+    if critic is not None:
+        for sample, values in zip(
+            samples, per_sample(critic.compute_values(batch), samples), strict=True
+        ):
+            sample.values = values
+    return samples
+
+
+def prepare_batch(
+    cfg: Config,
+    samples: list[Sample],
+    scores: list[float],
+    pad_id: int,
+    kl_controller: KLController,
+) -> tuple[Batch, dict[str, float]]:
+    """The training batch of annotated `samples` with sequence rewards `scores` [B]: KL
+    penalty, advantages, then off-policy weights (measured from the proximal log-probs)."""
+    algo = cfg.algorithm
+    batch = build_batch(samples, pad_id)
+    metrics: dict[str, float] = {}
+    # The full response mask: rewards, baselines and values cover every generated token even
+    # when the off-policy correction later drops some of them from the loss.
+    mask = batch.loss_mask
+    if recomputes_old_logprobs(cfg):
+        gap = (batch.old_logprobs - batch.behaviour_logprobs).abs() * mask
+        metrics["off_policy/max_abs_logprob_gap"] = gap.max().item()
+    rewards = at_last_token(torch.tensor(scores), mask)
+    if algo.kl_coef > 0 and algo.kl_in_reward:
+        kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_logprobs, batch.ref_logprobs) * mask
+        rewards = rewards - kl_controller.coef * kl
+        sequence_kl = kl.sum(dim=1).mean().item()
+        metrics.update({"kl/reward_penalty": sequence_kl, "kl/coef": kl_controller.coef})
+        kl_controller.update(sequence_kl, batch.num_sequences)
+    batch.advantages, batch.returns = ADVANTAGES.get(algo.advantage)(
+        rewards, mask, algo, batch.old_values
+    )
+    metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
+
+    correction = cfg.algorithm.off_policy
+    if OFF_POLICY_CORRECTIONS.traits(correction).needs_proximal and not proximal_from_forward(cfg):
+        batch.is_weights, batch.loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
+            batch.old_logprobs, batch.behaviour_logprobs, mask, algo
+        )
+        metrics["off_policy/kept_token_frac"] = (batch.loss_mask.sum() / mask.sum()).item()
+        metrics["off_policy/weight_mean"] = masked_mean(batch.is_weights, batch.loss_mask).item()
+    return batch, metrics
+
+
+class TrainerSide:
+    """The policy trainer, critic and weight sync as the scheduler sees them: annotation and
+    training run one at a time on a background thread (the trainer ranks do one thing at a
+    time anyway); a weight push, or a lost rollout worker's replacement, is called when
+    neither is running."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        trainers: PolicyRanks,
+        critic: CriticRanks | None,
+        weight_sync: WeightSync,
+        pad_id: int,
+    ) -> None:
+        self.cfg = cfg
+        self.trainers, self.critic, self.weight_sync = trainers, critic, weight_sync
+        self.pad_id = pad_id
+        self.kl_controller = KLController(cfg.algorithm)
+        self.needs_annotation = (
+            recomputes_old_logprobs(cfg) or cfg.algorithm.kl_coef > 0 or critic is not None
+        )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        try:  # the sizes MFU is counted from; other architectures report no MFU
+            self._shape: ModelShape | None = ModelShape.read(Path(cfg.model.path))
+        except ValueError:
+            self._shape = None
+
+    def annotate(self, samples: list[Sample]) -> Future:
+        return self._thread.submit(
+            annotate_samples, self.cfg, samples, self.pad_id, self.trainers, self.critic
+        )
+
+    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        return self._thread.submit(self._train, samples, scores)
+
+    def _train(self, samples: list[Sample], scores: list[float]) -> dict[str, float]:
+        if not samples:  # dynamic sampling found no informative group: nothing to learn
+            return {}
+        batch, metrics = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller)
+        metrics.update(self.trainers.train_step(batch))
+        metrics.update(self._utilisation(batch, metrics["timing/train_tokens_per_s"]))
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(batch))
+        return metrics
+
+    def _utilisation(self, batch: Batch, tokens_per_s: float) -> dict[str, float]:
+        """The train step's model TFLOP/s (rl.observe.flops), and its MFU on GPUs of known peak."""
+        if self._shape is None:
+            return {}
+        mean_length = batch.attention_mask.sum(dim=1).float().mean().item()
+        achieved = train_flops_per_token(self._shape, mean_length) * tokens_per_s
+        metrics = {"perf/train_tflops": achieved / 1e12}
+        if (peak := peak_flops(self.trainers.device_name)) is not None:
+            metrics["perf/mfu"] = achieved / (peak * self.cfg.trainer.num_workers)
+        return metrics
+
+    def push(self, version: int) -> dict[str, float]:
+        return self.weight_sync.push(version)
+
+    def release_memory(self) -> None:
+        self.trainers.release_memory()
+        if self.critic is not None:
+            self.critic.release_memory()
+
+    def replace_rollout_worker(self, worker: int, version: int) -> None:
+        """A fresh rollout worker for a lost one, serving `version`. Like `push`, on the
+        driver's thread while this side's thread is idle, so the ranks stream that version."""
+        self.weight_sync.replace([worker], version)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,107 @@
+"""What the scheduler (rl.run.scheduler.loop) is handed: its `Settings`, and three small ports to the
+workers, with `WorkerLost`.
+
+The driver implements the ports with Ray actors (rl.cluster.rollout_replicas, rl.run.experience); the unit
+tests with fakes on threads. No Ray type crosses them, so the fakes can produce every outcome
+the real workers can, a dead rollout worker included.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+from rl.config import Config
+from rl.types import Sample, SamplingParams
+
+
+@dataclass
+class Settings:
+    """The loop's parameters, from the run, algorithm, scheduler and faults sections."""
+
+    num_steps: int
+    groups_per_step: int
+    group_size: int
+    max_staleness: int = 0
+    partial_rollout: str = "finish"
+    dynamic_sampling: bool = False
+    max_groups_per_step: int = 0  # 0 = groups_per_step
+    # Colocated on-policy on GPUs: the rollout engines free their memory while training.
+    release_memory: bool = False
+    # Rollout workers lost in a run (generating or receiving weights) before it fails.
+    max_rollout_restarts: int = 3
+
+    @classmethod
+    def from_config(cls, config: Config, use_gpu: bool) -> Settings:
+        algo, sched = config.algorithm, config.scheduler
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        return cls(
+            num_steps=config.run.num_steps,
+            groups_per_step=config.run.prompts_per_step,
+            group_size=algo.group_size,
+            max_staleness=sched.max_staleness,
+            partial_rollout=sched.partial_rollout,
+            dynamic_sampling=algo.dynamic_sampling,
+            max_groups_per_step=rounds * config.run.prompts_per_step,
+            release_memory=sched.time_sliced and use_gpu,
+            max_rollout_restarts=config.faults.max_rollout_restarts,
+        )
+
+
+class WorkerLost(Exception):
+    """A rollout worker's process died: what it was generating is gone. A poll future
+    raises it; the scheduler then has the worker replaced and regenerates its groups."""
+
+    def __init__(self, worker: int, reason: str = "") -> None:
+        super().__init__(f"rollout worker {worker} was lost" + (f": {reason}" if reason else ""))
+        self.worker = worker
+
+
+class RolloutPort(Protocol):
+    num_workers: int
+
+    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
+        """Start batches of samples under their keys; returns each key's worker."""
+
+    def poll(self, worker: int) -> Future:
+        """Future of {key: samples} of every batch `worker` finished (or aborted) since its
+        last poll, once there is at least one; it raises WorkerLost if the worker died."""
+
+    def interrupt(self) -> int:
+        """Abort what every live worker generates (a dead one is skipped: its poll tells)."""
+
+    def release_memory(self) -> None:
+        """Free the engines' weights and KV cache on the devices (time-sliced GPUs)."""
+
+    def reclaim_weights(self) -> None:
+        """Take the weights' memory back, not the KV cache's, for a weight push."""
+
+    def reclaim_memory(self) -> None:
+        """Take all of it back, to generate."""
+
+
+class TrainerPort(Protocol):
+    needs_annotation: bool  # proximal/reference log-probs or values are computed before training
+
+    def annotate(self, samples: list[Sample]) -> Future: ...
+
+    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
+
+    def release_memory(self) -> None:
+        """Move the training state off the devices (time-sliced GPUs); the next call that
+        computes brings it back."""
+
+    def push(self, version: int) -> dict[str, float]:
+        """Every rollout worker serves `version` on return; workers lost during the transfer
+        are replaced, counted in "weight_sync/workers_replaced"."""
+
+    def replace_rollout_worker(self, worker: int, version: int) -> None:
+        """Replace rollout worker `worker` by a fresh one serving `version` (0: the base
+        checkpoint, which a fresh worker loads anyway). Called only while no annotate or
+        train call runs, with `version` 0 or the trainer's own: the weights it streams."""
+
+
+class ScorerPort(Protocol):
+    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
+        """Future of (scores per group, metrics of the call) for (samples, example) pairs."""

@@ -1,0 +1,79 @@
+"""The distributed transport (across hosts): a gloo group over every member (rl.sync.gloo_group);
+each trainer rank sends each rollout rank exactly the bytes of its regions it owns
+(rl.sync.pieces). Not pipelined: the sends of a bucket complete as the receivers take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rl.sync.gloo_group import GlooGroup
+from rl.sync.pieces import max_piece_numel, pack_piece, piece_numel, unpack_pieces
+from rl.sync.plan import WeightSyncPlan
+from rl.sync.transport import TRANSPORTS, SyncSite
+
+
+class DistributedChannel:
+    """Its buffers are allocated once and reused, as the shared-memory slots are: a trainer
+    rank's packed pieces, a rollout rank's received pieces and one bucket's tensors."""
+
+    def __init__(
+        self, plan: WeightSyncPlan, addr: str, port: int, member: int, num_replicas: int
+    ) -> None:
+        self._plan, self._member = plan, member
+        self._num_replicas = num_replicas
+        self._group = GlooGroup(addr, port, member, plan.world_size + num_replicas * plan.tp_size)
+        if member < plan.world_size:  # a trainer rank: one packing buffer per TP rank
+            self._packed = [
+                torch.empty(max_piece_numel(plan, member, t)) for t in range(plan.tp_size)
+            ]
+        else:
+            self._tp_rank = (member - plan.world_size) % plan.tp_size
+            self._received = [
+                torch.empty(max_piece_numel(plan, w, self._tp_rank)) for w in range(plan.world_size)
+            ]
+            self._bucket = torch.empty(plan.slot_numel)
+
+    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
+        plan, rank = self._plan, self._member
+        pieces = [
+            pack_piece(plan, bucket, rank, t, local_rows, self._packed[t])
+            for t in range(plan.tp_size)
+        ]
+        self._group.send(
+            [
+                (plan.world_size + replica * plan.tp_size + t, pieces[t])
+                for replica in range(self._num_replicas)
+                for t in range(plan.tp_size)
+            ],
+            tag=bucket,
+        )
+
+    def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
+        plan = self._plan
+        pieces = [
+            self._received[w][: piece_numel(plan, bucket, w, self._tp_rank)]
+            for w in range(plan.world_size)
+        ]
+        self._group.recv(list(enumerate(pieces)), tag=bucket)
+        return unpack_pieces(plan, bucket, self._tp_rank, pieces, self._bucket)
+
+
+@dataclass(frozen=True)
+class DistributedSpec:
+    addr: str  # trainer rank 0's node, which hosts the group's rendezvous
+    port: int
+    num_replicas: int  # rollout engines, each with the plan's tp_size members
+
+    def open(self, plan: WeightSyncPlan, member: int) -> DistributedChannel:
+        return DistributedChannel(plan, self.addr, self.port, member, self.num_replicas)
+
+    def remove(self) -> None:
+        """A gloo group leaves nothing behind its processes."""
+
+
+@TRANSPORTS.register("distributed", joined_together=True)
+def distributed_spec(site: SyncSite) -> DistributedSpec:
+    return DistributedSpec(site.addr, site.port, site.num_replicas)

@@ -1,0 +1,35 @@
+"""A gloo group between the trainer ranks and the rollout TP ranks, for weight sync across
+hosts. It lives outside any default process group (FSDP2 and vLLM each have their own), on
+its own TCP store hosted by trainer rank 0."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = timedelta(minutes=10)
+
+
+class GlooGroup:
+    """This process's membership: rank `rank` of `world_size` (trainer ranks first)."""
+
+    def __init__(self, addr: str, port: int, rank: int, world_size: int) -> None:
+        # Rank 0 hosts the store; every member blocks here until all have joined.
+        self._store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=TIMEOUT)
+        prefixed = dist.PrefixStore("tandem-weight-sync", self._store)
+        self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, TIMEOUT)
+        self.rank = rank
+
+    def send(self, messages: list[tuple[int, torch.Tensor]], tag: int) -> None:
+        """Send each (destination rank, contiguous CPU tensor); returns when all are sent."""
+        works = [self._group.send([t], dst, tag) for dst, t in messages if t.numel()]
+        for work in works:
+            work.wait()
+
+    def recv(self, messages: list[tuple[int, torch.Tensor]], tag: int) -> None:
+        """Receive into each (source rank, contiguous CPU tensor of the message's size)."""
+        works = [self._group.recv([t], src, tag) for src, t in messages if t.numel()]
+        for work in works:
+            work.wait()

@@ -1,0 +1,88 @@
+"""Weight transports: how a bucket gets from the trainer ranks to the rollout TP ranks. Weights
+never travel as RPC arguments: only bucket indices and a channel's spec do.
+
+Members of a sync channel are numbered trainer ranks first (0..W-1), then rollout replica r's
+TP rank t as W + r * T + t. Every transport's channel offers `write(bucket, local_rows)` (a
+trainer rank's FSDP2 rows) and `read(bucket)` (full-shaped tensors, of which vLLM's loaders copy
+out only this rank's region). A transport is one file (shared_memory.py, distributed.py) with
+its channel and its spec, registered in `TRANSPORTS` with its traits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rl.config.registry import Registry
+from rl.sync.plan import WeightSyncPlan
+
+
+class Channel(Protocol):
+    """One member's end of a sync channel."""
+
+    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
+        """A trainer rank's rows of `bucket` (by HF name)."""
+        ...
+
+    def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
+        """A rollout rank's whole `bucket`, as (HF name, full-shaped tensor)."""
+        ...
+
+
+class ChannelSpec(Protocol):
+    """How to join one channel: a small frozen dataclass the driver sends every member."""
+
+    def open(self, plan: WeightSyncPlan, member: int) -> Channel: ...
+
+    def remove(self) -> None:
+        """Delete what the channel leaves behind its processes (the driver calls it however
+        it exits)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SyncSite:
+    """What the driver knows when it opens a channel; each transport takes what it needs."""
+
+    prefix: str  # unique to this run's channel
+    addr: str  # trainer rank 0's node and a port free there
+    port: int
+    num_replicas: int  # rollout engines
+
+
+@dataclass(frozen=True)
+class TransportTraits:
+    single_host: bool = False  # every member must share one host
+    pipelined: bool = False  # bucket i + 1 may be written while bucket i is read
+    creator_first: bool = False  # member 0 creates the channel before the others open it
+    joined_together: bool = False  # all members join at once (a group): a replacement re-forms it
+
+
+TRANSPORTS: Registry[Callable[[SyncSite], ChannelSpec], TransportTraits] = Registry(
+    "weight transport", TransportTraits
+)
+
+
+def open_channel(plan: WeightSyncPlan, spec: ChannelSpec, member: int) -> Channel:
+    """Join the channel `spec` describes as `member`."""
+    return spec.open(plan, member)
+
+
+def choose_transport(setting: str, num_nodes: int) -> str:
+    """The transport for `rollout.weight_transport=setting` when the trainer and rollout
+    workers span `num_nodes` nodes: shared memory on one node, a gloo group across nodes."""
+    if setting == "auto":
+        return "shared_memory" if num_nodes == 1 else "distributed"
+    if TRANSPORTS.traits(setting).single_host and num_nodes > 1:
+        raise ValueError(
+            f"rollout.weight_transport={setting}, but the trainer and rollout workers run "
+            f"on {num_nodes} nodes: use 'distributed' (or 'auto'), or place them on one node"
+        )
+    return setting
+
+
+# The registered transports (each registers itself on import).
+from rl.sync import distributed, shared_memory  # noqa: E402, F401

@@ -1,0 +1,184 @@
+"""The driver's side of weight sync: plan the transfer once, then stream each update.
+
+Per bucket, every trainer rank sends its own FSDP2 rows and every rollout worker (each of its
+TP ranks) loads the regions it needs, over the transport of `rl.sync.transport` (shared
+memory on one node, where the next bucket is written while the current one is read; a gloo
+group across nodes). A rollout worker lost mid-update is dropped from it, replaced by a fresh
+engine and sent the whole current version; one lost while generating is replaced the same way
+(`replace`), when the scheduler finds the trainer idle.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+
+import ray
+from ray.exceptions import RayActorError
+
+from rl.cluster.rollout_replicas import RolloutReplicas
+from rl.cluster.trainer_ranks import PolicyRanks
+from rl.config import Config
+from rl.sync.plan import WeightSyncPlan, plan_to_json, plan_weight_sync
+from rl.sync.transport import TRANSPORTS, SyncSite, choose_transport
+
+_MB = float(1 << 20)
+
+
+class WeightSync:
+    """One sync channel from the trainer group to the rollout workers."""
+
+    def __init__(self, cfg: Config, trainers: PolicyRanks, rollout: RolloutReplicas) -> None:
+        self._trainers, self._rollout = trainers.workers, rollout
+        tensors, shape = ray.get(self._trainers[0].weight_sync_spec.remote())
+        self.plan: WeightSyncPlan = plan_weight_sync(
+            tensors,
+            shape,
+            world_size=len(self._trainers),
+            tp_size=cfg.rollout.tensor_parallel_size,
+            bucket_bytes=int(cfg.rollout.weight_bucket_mb * (1 << 20)),
+        )
+        nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
+        nodes |= set(ray.get([w.node_id.remote() for w in rollout.workers]))
+        self.num_nodes = len(nodes)
+        self.transport = choose_transport(cfg.rollout.weight_transport, self.num_nodes)
+        self._plan_json = plan_to_json(self.plan)
+        self._traits = TRANSPORTS.traits(self.transport)
+        self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
+        self._cleanup: weakref.finalize | None = None
+        self._connect()
+        self.failed: list[int] = []  # rollout workers lost during the last `stream`
+        self.metrics: dict[str, float] = {}  # of the last `stream`
+
+    def _connect(self, indices: list[int] | None = None) -> None:
+        """Open the channel for everyone, or (indices) only for those rollout workers. A
+        transport whose members join together (a gloo group) is always re-formed by all."""
+        workers = self._rollout.workers
+        first_member = [len(self._trainers) + i * self.plan.tp_size for i in range(len(workers))]
+        addr, port = ray.get(self._trainers[0].get_master_addr_port.remote())
+        spec = TRANSPORTS.get(self.transport)(SyncSite(self._prefix, addr, port, len(workers)))
+        if self._cleanup is None:
+            # /dev/shm outlives processes: delete what the channel leaves however the driver exits.
+            self._cleanup = weakref.finalize(self, spec.remove)
+        if self._traits.joined_together:
+            # Joining blocks until every member has joined: start them all, then wait.
+            ray.get(
+                [w.open_weight_sender.remote(self._plan_json, spec) for w in self._trainers]
+                + [
+                    worker.open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                    for i, worker in enumerate(workers)
+                ]
+            )
+            return
+        if indices is None:
+            opening = self._trainers
+            if self._traits.creator_first:  # rank 0 creates the channel the others map
+                ray.get(opening[0].open_weight_sender.remote(self._plan_json, spec))
+                opening = opening[1:]
+            ray.get([w.open_weight_sender.remote(self._plan_json, spec) for w in opening])
+            indices = list(range(len(workers)))
+        ray.get(
+            [
+                workers[i].open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                for i in indices
+            ]
+        )
+
+    def stream(self, version: int, indices: list[int] | None = None) -> Iterator[int]:
+        """Send `version` to rollout workers `indices` (default all); yields each bucket index
+        once every live receiver has applied it (the last one, and closed the update). Workers
+        that die are dropped and listed in `self.failed`; the others serve `version` when the
+        stream ends."""
+        indices = list(range(len(self._rollout.workers))) if indices is None else indices
+        receivers = {i: self._rollout.workers[i] for i in indices}
+        self.failed = []
+        start = time.perf_counter()
+        num_buckets = len(self.plan.buckets)
+        pipelined = self._traits.pipelined
+        writes = [w.write_weight_bucket.remote(0) for w in self._trainers]
+        write_stats: list[dict[str, float]] = []
+        num_bytes = write_s = 0.0
+        for bucket in range(num_buckets):
+            if pipelined:  # bucket is in its slot before anyone reads it
+                write_stats = ray.get(writes)
+            last = bucket + 1 == num_buckets  # the receivers then also close the update
+            applied = self._gather(
+                receivers,
+                {
+                    i: r.apply_weight_bucket.remote(bucket, version, last)
+                    for i, r in receivers.items()
+                },
+            )
+            if not pipelined:  # the sends complete as the receivers take them
+                write_stats = ray.get(writes)
+            write_s += max(stat["seconds"] for stat in write_stats)
+            if not last:
+                # Shared memory: the other slot held bucket - 1, which everyone has applied.
+                writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
+            num_bytes += max((bucket_bytes for bucket_bytes, _ in applied), default=0)
+            yield bucket
+        finished = [closed for _, closed in applied]
+        self.metrics = {
+            "weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/trainer_write_s": write_s,
+            "weight_sync/buckets": float(num_buckets),
+            "weight_sync/mb_per_rollout_rank": num_bytes / _MB,
+            "weight_sync/mb_full_model": self.plan.total_bytes / _MB,
+            "weight_sync/trainer_peak_extra_mb": max(s["peak_extra_bytes"] for s in write_stats)
+            / _MB,
+            "weight_sync/rollout_peak_extra_mb": max(
+                (f["peak_extra_bytes"] for f in finished), default=0.0
+            )
+            / _MB,
+            "weight_sync/rollout_load_s": max((f["load_s"] for f in finished), default=0.0),
+        }
+
+    def _gather(self, receivers: dict, refs: dict[int, ray.ObjectRef]) -> list:
+        """Results of `refs`; a receiver whose actor died is dropped from `receivers`."""
+        results = []
+        for index, ref in refs.items():
+            try:
+                results.append(ray.get(ref))
+            except RayActorError:
+                del receivers[index]
+                self.failed.append(index)
+        return results
+
+    def repair(self, version: int) -> None:
+        """Replace the workers lost in the last `stream` and send them `version` whole.
+
+        Only the shared-memory transport survives a lost member: a gloo group breaks with it,
+        and the failed sends fail the sync before this point.
+        """
+        self.replace(self.failed, version)
+
+    def replace(self, indices: list[int], version: int) -> None:
+        """Replace rollout workers `indices` (dead or not) by fresh engines serving `version`,
+        which the trainer ranks must hold (nothing else may run on them meanwhile). Version 0
+        is the checkpoint a fresh engine loads: nothing is sent."""
+        for index in indices:
+            self._rollout.restart(index)
+        self._connect(indices)
+        if version == 0:
+            return
+        for _ in self.stream(version, indices):
+            pass
+        if self.failed:
+            raise RuntimeError(f"rollout workers {self.failed} died again receiving {version}")
+
+    def push(self, version: int) -> dict[str, float]:
+        """Every rollout worker serves `version` on return (lost ones are replaced)."""
+        for _ in self.stream(version):
+            pass
+        metrics = dict(self.metrics)
+        metrics["weight_sync/workers_replaced"] = float(len(self.failed))
+        if self.failed:
+            self.repair(version)
+        return metrics
+
+    def close(self) -> None:
+        """Delete what the channel leaves behind its processes."""
+        if self._cleanup is not None:
+            self._cleanup()

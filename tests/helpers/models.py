@@ -1,0 +1,61 @@
+"""Tiny randomly initialised HF checkpoints built locally (no hub)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from rl.config import BaseBuildConfig
+from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+
+
+def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
+    rng = random.Random(0)
+    return [
+        f"{rng.randint(0, 999)}+{rng.randint(0, 999)}={rng.randint(0, 1998)}"
+        for _ in range(num_lines)
+    ]
+
+
+def build_tiny_checkpoint(path: Path, tie_word_embeddings: bool, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (head_dim 32, as vLLM's CPU attention needs) with a trained BPE tokenizer."""
+    cfg = BaseBuildConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    tokenizer = train_tokenizer(_arithmetic_corpus(), cfg.vocab_size)
+    model = new_qwen2(cfg, tokenizer, seed=seed)
+    return save_hf_atomic(model, tokenizer, path)
+
+
+def build_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, **sizes: int) -> Path:
+    """A random Qwen2 or Llama of any size (keyword `sizes` override the HF config's: e.g.
+    hidden_size, num_hidden_layers, vocab_size) with the tiny tokenizer."""
+    tokenizer = train_tokenizer(_arithmetic_corpus(), 64)
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = config_class(
+        **{
+            "vocab_size": -(-len(tokenizer) // 64) * 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            **sizes,
+        },
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_hf_atomic(model, tokenizer, path)

@@ -1,0 +1,316 @@
+"""Two-step runs through the whole stack: real Ray, vLLM on CPU, 2-rank FSDP2 gloo groups.
+
+GRPO (with a faulty user reward term alongside the task's) and PPO (critic, reference, KL in
+the reward, recomputed proximal log-probs with truncated importance sampling) share one base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rl.checkpoint.export import export_checkpoint
+from rl.config import Config
+from rl.run.driver import RunAborted, train
+from tests.helpers.tiny_runs import tiny_run_tree
+
+pytestmark = pytest.mark.integration
+
+
+# Raises on responses starting with "1" and hangs on its first call: the run must go on.
+FAULTY_REWARD = """
+import os
+import time
+
+
+def flaky(response, example):
+    if not os.path.exists(MARKER):
+        open(MARKER, "w").close()
+        time.sleep(1000)
+    if response.startswith("1"):
+        raise RuntimeError("boom")
+    return 0.0
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("driver")
+
+
+def _config(shared: Path, tmp_path: Path, name: str, **sections: dict) -> Config:
+    return Config.model_validate(tiny_run_tree(shared, tmp_path / "runs", name, **sections))
+
+
+def _run(cfg: Config) -> tuple[dict[str, float], list[dict]]:
+    final = train(cfg)
+    # train started Ray, so train closes it: nothing is left for atexit after the handlers go.
+    assert not ray.is_initialized()
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return final, records
+
+
+def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    reward_file = tmp_path / "faulty_reward.py"
+    reward_file.write_text(f"MARKER = {str(tmp_path / 'hung')!r}\n{FAULTY_REWARD}")
+    reward = {
+        "terms": [{"name": "task"}, {"name": f"{reward_file}:flaky", "weight": 0.5}],
+        "timeout_s": 1.0,
+    }
+    cfg = _config(shared_dir, tmp_path, "two-steps", reward=reward)
+    shm_before = set(Path("/dev/shm").glob("tandem-*"))
+    final, records = _run(cfg)
+    assert set(Path("/dev/shm").glob("tandem-*")) == shm_before  # sync buffers deleted
+    run_dir = Path(cfg.run.output_dir) / "two-steps"
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
+    for record in records:
+        # The engine process's resident peak: torch, vLLM, the model and its KV cache (step 0:
+        # since the engine started).
+        assert 100 < record["memory/rollout_peak_mb"] < 32_768
+    for record in records[1:]:
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "reward/mean",
+            "time/sync_s",
+            "time/step_s",
+        ):
+            assert record[key] is not None and math.isfinite(record[key]), key
+        # Model TFLOP/s from the config, and the trainer's peak memory; no MFU on CPUs.
+        assert record["perf/train_tflops"] > 0 and "perf/mfu" not in record
+        assert record["memory/trainer_peak_mb"] > 100
+        assert record["response/max_tokens"] >= record["response/mean_tokens"]
+    assert final["rollout/version"] == 2
+    # On-policy and colocated: every sample is the current version's, nothing overlaps.
+    assert all(r["rollout/staleness_max"] == 0 for r in records[1:])
+    assert final["run/overlap_fraction"] == 0 and final["run/busy_fraction"] > 0
+    assert final["weight_sync/workers_replaced"] == 0
+    assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
+    assert 0.0 <= final["eval/accuracy"] <= 1.0
+
+    assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
+    # Every sample was scored by the task; the faulty term's failures were counted, not fatal.
+    assert sum(r["reward/errors"] for r in records[1:]) > 0
+    assert sum(r["reward/timeouts"] for r in records[1:]) > 0
+    before = load_file(Path(cfg.model.path) / "model.safetensors")
+    after = load_file(run_dir / "hf" / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert "lm_head.weight" in changed and len(changed) > len(before) // 2
+    # Not verbose: each actor wrote its output (vLLM's, transformers') to its own log file.
+    logs = {path.name: path.read_text() for path in (run_dir / "logs").iterdir()}
+    assert sorted(logs) == ["rollout-0.log", "trainer-0.log", "trainer-1.log"]
+    assert all(text.strip() for text in logs.values()), logs
+
+
+def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "ppo",
+        algorithm={
+            "advantage": "gae",
+            "lam": 0.95,
+            "kl_coef": 0.01,
+            "kl_in_reward": True,
+            "kl_target": 0.01,
+            "recompute_old_logprobs": True,
+            "off_policy": "token-tis",
+        },
+        critic={"lr": 1e-3},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        for key in ("critic/value_loss", "critic/grad_norm", "kl/coef", "actor/pg_loss"):
+            assert record[key] is not None and math.isfinite(record[key]), key
+        assert record["memory/critic_peak_mb"] > 100
+        # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
+        assert record["off_policy/max_abs_logprob_gap"] < 1e-3
+        assert record["off_policy/kept_token_frac"] == 1.0
+    assert records[2]["kl/coef"] != records[1]["kl/coef"]  # adaptive
+    assert final["rollout/version"] == 2
+
+
+def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    """The time-to-accuracy bench's shape: the PyTorch rollout engine on one CPU generating
+    a step ahead of one unsharded trainer rank on the other, whose groups share their prompt
+    rows and leave out the rows of zero advantage."""
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "torch-engine",
+        rollout={"engine": "torch"},
+        trainer={
+            "num_workers": 1,
+            "sharding": "none",
+            "num_threads": 1,
+            "share_prompts": True,
+            "skip_zero_advantage_rows": True,
+        },
+        algorithm={"recompute_old_logprobs": True},
+        scheduler={"placement": "split", "max_staleness": 1},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
+    # Step 1's samples come from the weights the trainer starts with: in fp32 the engine's
+    # behaviour log-probs are the trainer's, computed over the shared prompt rows.
+    assert records[1]["off_policy/max_abs_logprob_gap"] < 1e-3
+    for record in records[1:]:
+        assert record["rollout/staleness_max"] <= 1
+        assert math.isfinite(record["actor/pg_loss"])
+        # Groups that all scored alike are left out; some rows are always trained.
+        assert 0 <= record["actor/skipped_row_frac"] < 1
+    assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
+    assert final["rollout/version"] == 2
+    assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
+
+
+def test_an_fp16_run_generates_and_trains_in_half_precision_with_a_loss_scale(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    """model.dtype=float16 through the whole stack: vLLM generates in fp16, the trainer
+    computes in fp16 over fp32 master weights and scales its loss."""
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "fp16",
+        model={"dtype": "float16"},
+        algorithm={"recompute_old_logprobs": True},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        assert record["actor/nonfinite_skipped"] == 0.0
+        assert record["actor/loss_scale"] == 2.0**16
+        assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
+    assert any(r["actor/grad_norm"] > 0 for r in records[1:]), "no reward signal to learn from"
+    # Both sides in fp16 from the same weights: the engine's log-probs are the trainer's
+    # within half precision's rounding.
+    assert records[1]["off_policy/max_abs_logprob_gap"] < 5e-2
+    assert final["rollout/version"] == 2
+
+
+@pytest.mark.parametrize(
+    "max_staleness, placement",
+    [(1, "colocate"), (0, "split"), (1, "split")],
+)
+def test_overlapped_runs_stay_within_their_staleness_bound_and_trace_every_phase(
+    shared_dir: Path, tmp_path: Path, max_staleness: int, placement: str
+) -> None:
+    name = f"k{max_staleness}-{placement}"
+    scheduler = {"max_staleness": max_staleness, "placement": placement}
+    if placement == "split":
+        scheduler["trainer_devices"] = 1  # rollout on bundle 0, both trainer ranks on bundle 1
+    cfg = _config(shared_dir, tmp_path, name, scheduler=scheduler, run={"num_steps": 3})
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    staleness = [r["rollout/staleness_max"] for r in records[1:]]
+    assert max(staleness) == max_staleness  # step 1 is on-policy; later ones use the bound
+    assert final["rollout/version"] == 3
+    clipped = [r["actor/clip_frac"] for r in records[1:]]
+    if max_staleness:
+        # Stale samples: PPO's ratio against each token's behaviour log-prob moves off 1 and
+        # its clip bounds the update.
+        assert max(clipped) > 0 and final["run/overlap_fraction"] > 0
+    else:
+        assert max(clipped) == 0 and final["run/overlap_fraction"] == 0
+
+    trace_path = Path(cfg.run.output_dir) / name / "trace.json"
+    trace = json.loads(trace_path.read_text())
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    phases = {(lanes[e["tid"]], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    for lane, phase in [
+        ("rollout-0", "generate"),
+        ("rollout-0", "eval"),
+        ("rollout-0", "sync"),
+        ("reward", "reward"),
+        ("trainer", "train"),
+        ("trainer", "sync"),
+        ("trainer", "checkpoint"),
+    ]:
+        assert (lane, phase) in phases, (lane, phase)
+    assert 0 < final["run/busy_fraction"] <= 1
+
+
+def test_steps_with_a_nan_loss_are_skipped_and_too_many_stop_the_run_with_a_checkpoint(
+    shared_dir: Path, tmp_path: Path
+) -> None:
+    # Finite in the reward worker (which refuses NaN), inf once rewards are float32: every
+    # advantage, loss and gradient is NaN.
+    reward_file = tmp_path / "huge_reward.py"
+    reward_file.write_text("def huge(response, example):\n    return 1e300\n")
+    cfg = _config(
+        shared_dir,
+        tmp_path,
+        "nan",
+        reward={"terms": [{"name": f"{reward_file}:huge"}]},
+        faults={"max_nonfinite_steps": 2},
+        run={"num_steps": 4},
+    )
+    with pytest.raises(RunAborted, match=r"2 steps in a row \(up to step 2\) had a NaN/inf loss"):
+        _run(cfg)
+    run_dir = Path(cfg.run.output_dir) / "nan"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["actor/nonfinite_skipped"] for r in records[1:]] == [1.0, 1.0]
+    # The checkpoint holds the last good weights: the base's, since no step was taken.
+    exported = export_checkpoint(run_dir / "checkpoints" / "step_000002", tmp_path / "hf")
+    before = load_file(Path(cfg.model.path) / "model.safetensors")
+    after = load_file(exported / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def _kill_a_trainer_rank_after(run_dir: Path, step: int) -> threading.Thread:
+    """Kills the last TrainWorker once step `step`'s checkpoint is in place."""
+
+    def kill() -> None:
+        while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
+            time.sleep(0.05)
+        ranks = [p for p in psutil.process_iter(["cmdline"]) if _is_train_worker(p)]
+        os.kill(ranks[-1].pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _is_train_worker(process: psutil.Process) -> bool:
+    cmdline = process.info["cmdline"] or [""]
+    return cmdline[0].startswith("ray::TrainWorker")
+
+
+def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _config(
+        shared_dir, tmp_path, "trainer-killed", checkpoint={"every": 2}, run={"num_steps": 4}
+    )
+    killer = _kill_a_trainer_rank_after(Path(cfg.run.output_dir) / "trainer-killed", step=2)
+    final, records = _run(cfg)
+    killer.join(timeout=1)
+    assert not killer.is_alive()
+    out = capsys.readouterr().out
+    assert "an actor died (ActorDiedError); rebuilding every role from" in out
+    assert "step_000002 (restart 1/2)" in out
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert final["rollout/version"] == 4

@@ -1,0 +1,193 @@
+"""The dry run's memory estimate: parameter counts of real HF architectures, and whether a
+plan fits the devices it is told about, with a fix named when it does not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from rl.cluster.memory_plan import GIB, ModelShape, PlanDoesNotFit, check_fits, trainer_rank
+from rl.config import Config
+
+# Qwen2.5-0.5B and -7B as their config.json describe them.
+QWEN_05B = {
+    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+QWEN_7B = {
+    "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _shape(tmp_path: Path, config: dict) -> ModelShape:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return ModelShape.read(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Qwen2Config(
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        Qwen2Config(
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        ),
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=96,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=48,
+        ),
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            attention_bias=True,
+        ),
+    ],  # fmt: skip
+    ids=["qwen2-tied", "qwen2-untied", "llama-head-dim", "llama-attention-bias"],
+)
+def test_parameter_count_matches_the_model_transformers_builds(config, tmp_path: Path) -> None:
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert ModelShape.read(tmp_path).num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen2_5_0_5b_has_its_published_parameter_count(tmp_path: Path) -> None:
+    assert _shape(tmp_path, QWEN_05B).num_params == 494_032_768
+
+
+def _gpu_config(**sections: dict) -> Config:
+    tree = {
+        "model": {"path": "m", "dtype": "bfloat16"},
+        "rollout": {"num_workers": 8, "gpu_memory_utilization": 0.4, "max_model_len": 1536},
+        "trainer": {"num_workers": 8, "micro_batch_size": 8, "logprob_chunk_size": 4096},
+        "algorithm": {"group_size": 8},
+        "run": {"prompts_per_step": 128},
+    }
+    for section, values in sections.items():
+        tree[section] = {**tree.get(section, {}), **values}
+    return Config.model_validate(tree)
+
+
+def test_activation_checkpointing_keeps_one_layer_of_activations(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    plain = trainer_rank(_gpu_config(), shape).parts["activations"]
+    checkpointed = trainer_rank(
+        _gpu_config(trainer={"activation_checkpointing": True}), shape
+    ).parts["activations"]
+    # Every layer's activations against each layer's input plus one layer's activations.
+    per_layer = 5 * 896 + 2 * 128 + 4 * 4864
+    assert plain == 2 * 8 * 1536 * 24 * per_layer
+    assert checkpointed == 2 * 8 * 1536 * (24 * 896 + per_layer)
+
+
+def test_sharding_over_more_ranks_divides_the_training_state(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    eight = trainer_rank(_gpu_config(), shape).parts
+    sixteen = trainer_rank(_gpu_config(trainer={"num_workers": 16}), shape).parts
+    # fp32 master weights, gradients and Adam's two moments: 16 bytes a parameter.
+    assert eight["params"] + eight["grads"] + eight["optimizer"] == 16 * shape.num_params / 8
+    assert sixteen["optimizer"] == eight["optimizer"] / 2
+    assert sixteen["activations"] == eight["activations"]
+
+
+def test_each_sharding_strategy_holds_its_own_share_of_the_state(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    state = {}
+    for sharding, extra in (
+        ("zero3", {}),
+        ("zero2", {}),
+        ("hybrid", {"shard_group_size": 4}),
+        ("none", {}),
+    ):
+        parts = trainer_rank(_gpu_config(trainer={"sharding": sharding, **extra}), shape).parts
+        state[sharding] = (parts["optimizer"], parts["gathered"])
+    optimizer = 8 * shape.num_params
+    assert [state[s][0] for s in ("zero3", "zero2", "hybrid", "none")] == [
+        optimizer / 8,
+        optimizer / 8,
+        optimizer / 4,
+        optimizer,
+    ]
+    # zero2 and none keep every layer gathered from forward to backward, in bf16
+    assert state["zero2"][1] == state["none"][1] == 2 * shape.num_params
+    assert state["zero3"][1] == state["hybrid"][1] < state["zero2"][1] / 4
+
+
+def test_a_token_budget_sizes_the_activations(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    fixed = trainer_rank(_gpu_config(), shape).parts["activations"]
+    budget = trainer_rank(_gpu_config(trainer={"micro_batch_tokens": 4 * 1536}), shape)
+    assert budget.parts["activations"] == fixed / 2  # 4 x 1536 tokens against 8 x 1536
+
+
+def test_a_plan_that_fits_says_how_much_it_needs(tmp_path: Path) -> None:
+    report = check_fits(_gpu_config(), _shape(tmp_path, QWEN_05B), 80 * GIB, on_gpu=True)
+    assert "trainer rank: params 0.23" in report
+    assert "vLLM reserves rollout.gpu_memory_utilization=0.4 of each device: 32.00 GiB" in report
+    assert report.splitlines()[-1].startswith("fits, a device shared by a trainer rank and vLLM")
+
+
+def test_too_many_activations_are_refused_with_activation_checkpointing_as_the_fix(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    with pytest.raises(PlanDoesNotFit, match="set trainer.activation_checkpointing=true"):
+        check_fits(_gpu_config(), shape, 80 * GIB, on_gpu=True)
+    cfg = _gpu_config(trainer={"activation_checkpointing": True})
+    assert "fits" in check_fits(cfg, shape, 80 * GIB, on_gpu=True).splitlines()[-1]
+    # A smaller device leaves too little beside vLLM's share (engines of TP 2 to hold the
+    # weights): the training state is the issue.
+    cfg = _gpu_config(
+        trainer={"activation_checkpointing": True},
+        rollout={"num_workers": 4, "tensor_parallel_size": 2},
+    )
+    with pytest.raises(PlanDoesNotFit, match=r"of 32\.00 GiB; shard .*trainer\.num_workers"):
+        check_fits(cfg, shape, 32 * GIB, on_gpu=True)
+
+
+def test_rollout_weights_beyond_the_vllm_reserve_are_refused(tmp_path: Path) -> None:
+    cfg = _gpu_config(rollout={"gpu_memory_utilization": 0.1})
+    with pytest.raises(PlanDoesNotFit, match="rollout.tensor_parallel_size"):
+        check_fits(cfg, _shape(tmp_path, QWEN_7B), 80 * GIB, on_gpu=True)
+
+
+def test_on_cpu_every_rank_shares_host_memory(tmp_path: Path) -> None:
+    cfg = Config.model_validate(
+        {
+            "model": {"path": "m"},
+            "rollout": {"kv_cache_gb": 2.0},
+            "trainer": {"num_workers": 2, "micro_batch_size": 4},
+        }
+    )
+    shape = _shape(tmp_path, QWEN_05B)
+    report = check_fits(cfg, shape, 24 * GIB, on_gpu=False)
+    assert "host memory, shared by every rank" in report.splitlines()[-1]
+    with pytest.raises(PlanDoesNotFit, match="host memory"):
+        check_fits(cfg, shape, 4 * GIB, on_gpu=False)

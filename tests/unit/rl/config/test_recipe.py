@@ -1,0 +1,77 @@
+"""Recipes load into the typed config and overrides patch it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rl.config.recipe import ConfigError, load_config
+from tests.helpers.repo import REPO, shipped_recipes
+
+
+def test_every_shipped_recipe_validates() -> None:
+    recipes = shipped_recipes()
+    assert recipes
+    for recipe in recipes:
+        load_config(recipe)
+
+
+def test_overrides_apply_in_order_and_parse_yaml_scalars() -> None:
+    cfg = load_config(
+        REPO / "recipes/grpo_addition_cpu.yaml",
+        ["trainer.lr=3e-6", "trainer.betas=[0.9,0.95]", "run.export_hf=false", "trainer.lr=4e-6"],
+    )
+    assert cfg.trainer.lr == 4e-6
+    assert cfg.trainer.betas == (0.9, 0.95)
+    assert cfg.run.export_hf is False
+
+
+def test_override_into_a_value_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="trainer.lr is a value, not a section"):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", ["trainer.lr.x=1"])
+
+
+def test_override_without_equals_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="is not key=value"):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", ["trainer.lr"])
+
+
+def test_non_mapping_recipe_is_rejected(tmp_path: Path) -> None:
+    recipe = tmp_path / "list.yaml"
+    recipe.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="a recipe is a mapping"):
+        load_config(recipe)
+
+
+def test_extends_merges_the_child_over_its_parent(tmp_path: Path) -> None:
+    (tmp_path / "parent.yaml").write_text(
+        "model:\n  path: m\ntrainer:\n  lr: 0.1\n  num_epochs: 2\nrun:\n  name: parent\n"
+    )
+    (tmp_path / "child.yaml").write_text("extends: parent.yaml\ntrainer:\n  lr: 0.2\n")
+    cfg = load_config(tmp_path / "child.yaml", ["run.name=override"])
+    assert (cfg.trainer.lr, cfg.trainer.num_epochs) == (0.2, 2)
+    assert cfg.model.path == "m" and cfg.run.name == "override"
+
+
+def test_extends_errors_name_the_files(tmp_path: Path) -> None:
+    (tmp_path / "child.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing.yaml \(extended by .*child.yaml\)"):
+        load_config(tmp_path / "child.yaml")
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "typo.yaml").write_text("extends: child2.yaml\ntrainer:\n  lrr: 1\n")
+    (tmp_path / "child2.yaml").write_text("model:\n  path: m\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: unknown key 'trainer.lrr'"):
+        load_config(tmp_path / "typo.yaml")
+
+
+def test_skipping_zero_advantage_rows_is_refused_when_those_rows_have_a_kl_gradient() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    skip = "trainer.skip_zero_advantage_rows=true"
+    assert load_config(recipe, [skip]).trainer.skip_zero_advantage_rows
+    with pytest.raises(ConfigError, match=r"grpo_addition_cpu.yaml: .*algorithm.kl_coef=0.1"):
+        load_config(recipe, [skip, "algorithm.kl_coef=0.1"])
+    with pytest.raises(ConfigError, match=r"algorithm.entropy_coef=0.01"):
+        load_config(recipe, [skip, "algorithm.entropy_coef=0.01"])

@@ -1,0 +1,163 @@
+"""RewardScorer with real worker processes: weighted sums, speed, and reward functions that
+raise, hang, spin or kill their process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl.config import RewardConfig, RewardTermConfig
+from rl.data.tasks import get_task
+from rl.rewards import RewardScorer
+
+USER_REWARDS = """
+import math
+import os
+import time
+
+
+def length(response, example):
+    return len(response) / 10
+
+
+def flaky(response, example):
+    mode = example.get("mode", "ok")
+    if mode == "raise":
+        raise KeyError("no such field")
+    if mode == "sleep":
+        time.sleep(1000)
+    if mode == "spin":
+        while True:
+            pass
+    if mode == "exit":
+        os._exit(3)
+    if mode == "nan":
+        return math.nan
+    return 1.0
+"""
+
+
+def _worker_pids() -> set[int]:
+    """Live reward worker processes that are children of this test process."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"rl.rewards.pool_worker" in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+def _terms(*terms: tuple[str, float]) -> list[RewardTermConfig]:
+    return [RewardTermConfig(name=name, weight=weight) for name, weight in terms]
+
+
+@pytest.fixture(scope="module")
+def rewards_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("user") / "user_rewards.py"
+    path.write_text(USER_REWARDS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def combined(rewards_file: Path) -> Iterator[RewardScorer]:
+    terms = _terms(("task", 1.0), ("arithmetic", 2.0), (f"{rewards_file}:length", 0.5))
+    with RewardScorer(RewardConfig(terms=terms), get_task("addition")) as scorer:
+        yield scorer
+
+
+def test_weighted_sum(combined: RewardScorer) -> None:
+    responses = ["0579", "057", "12345"]
+    examples = [{"prompt": "123+456", "answer": "0579"}] * 3
+    rewards, metrics = combined.score(["123+456"] * 3, responses, examples)
+    assert rewards.dtype == torch.float32 and rewards.shape == (3,)
+    # task and arithmetic: [1, 0, 0]; length: [0.4, 0.3, 0.5].
+    assert rewards.tolist() == pytest.approx([3 + 0.2, 0.15, 0.25])
+    assert metrics == pytest.approx(
+        {
+            "reward/task_mean": 1 / 3,
+            "reward/arithmetic_mean": 1 / 3,
+            "reward/length_mean": 0.4,
+            # Fractions scored above 0: the verifiers' accuracy, any positive length.
+            "reward/task_accuracy": 1 / 3,
+            "reward/arithmetic_accuracy": 1 / 3,
+            "reward/length_accuracy": 1.0,
+            "reward/errors": 0.0,
+            "reward/timeouts": 0.0,
+        }
+    )
+    with pytest.raises(ValueError, match="3 prompts, 2 responses and 3 examples differ"):
+        combined.score(["123+456"] * 3, responses[:2], examples)
+
+
+def test_512_scores_take_well_under_a_second(combined: RewardScorer) -> None:
+    n = 512
+    examples = [{"prompt": f"{i}+{i}", "answer": str(2 * i)} for i in range(n)]
+    responses = [e["answer"] if i % 3 else "wrong" for i, e in enumerate(examples)]
+    prompts = [e["prompt"] for e in examples]
+    combined.score(prompts, responses, examples)  # warm
+    start = time.perf_counter()
+    rewards, metrics = combined.score(prompts, responses, examples)
+    elapsed = time.perf_counter() - start
+    print(f"\n512 samples x 3 function terms scored in {elapsed * 1000:.1f} ms")
+    right = torch.tensor([i % 3 != 0 for i in range(n)], dtype=torch.float32)
+    lengths = torch.tensor([len(r) / 10 for r in responses])
+    torch.testing.assert_close(rewards, 3 * right + 0.5 * lengths)
+    assert metrics["reward/errors"] == metrics["reward/timeouts"] == 0
+    assert elapsed < 1.0
+
+
+def test_failures_score_zero_and_are_counted(rewards_file: Path) -> None:
+    modes = ["ok", "raise", "ok", "sleep", "ok", "spin", "exit", "nan", "ok", "ok"]
+    examples = [{"prompt": "1+1", "answer": "02", "mode": mode} for mode in modes]
+    terms = _terms((f"{rewards_file}:flaky", 1.0), ("task", 10.0))
+    cfg = RewardConfig(terms=terms, timeout_s=1.0, num_processes=2)
+    others = _worker_pids()  # of scorers other tests keep
+    with RewardScorer(cfg, get_task("addition")) as scorer:
+        first_workers = _worker_pids() - others
+        assert len(first_workers) == 2
+        start = time.perf_counter()
+        rewards, metrics = scorer.score(["1+1"] * 10, ["02"] * 10, examples)
+        assert time.perf_counter() - start < 60  # sleep(1000) did not hold the batch
+        expected = [11.0 if mode == "ok" else 10.0 for mode in modes]
+        assert rewards.tolist() == expected
+        assert metrics["reward/errors"] == 3  # raise, exit, nan
+        assert metrics["reward/timeouts"] == 2  # sleep, spin
+        assert metrics["reward/flaky_mean"] == pytest.approx(0.5)
+        assert metrics["reward/flaky_accuracy"] == pytest.approx(0.5)  # failures score 0
+        # The hung workers were killed, not left running; their replacements serve on.
+        workers = _worker_pids() - others
+        assert len(workers) == 2 and not first_workers & workers
+        good = [{"prompt": "1+1", "answer": "02"}] * 4
+        rewards, metrics = scorer.score(["1+1"] * 4, ["02"] * 4, good)
+        assert rewards.tolist() == [11.0] * 4 and metrics["reward/errors"] == 0
+    assert _worker_pids() == others
+
+
+def test_on_error_fail_names_term_and_sample(rewards_file: Path) -> None:
+    name = f"{rewards_file}:flaky"
+    cfg = RewardConfig(terms=_terms((name, 1.0)), on_error="fail", num_processes=1)
+    examples = [{"mode": "ok"}, {"mode": "ok"}, {"mode": "raise"}, {"mode": "ok"}]
+    with RewardScorer(cfg, get_task("addition")) as scorer:
+        message = rf"reward term '{name}' failed on sample 2 \(error\): KeyError: 'no such field'"
+        with pytest.raises(RuntimeError, match=message):
+            scorer.score([""] * 4, [""] * 4, examples)
+        # The next batch is not confused by results left over from the failed one.
+        rewards, _ = scorer.score([""] * 2, [""] * 2, [{"mode": "ok"}] * 2)
+        assert rewards.tolist() == [1.0, 1.0]
+
+
+def test_bad_terms_fail_in_the_constructor(rewards_file: Path) -> None:
+    others = _worker_pids()
+    cfg = RewardConfig(terms=_terms((f"{rewards_file}:missing", 1.0)))
+    with pytest.raises(ValueError, match="has no function 'missing'"):
+        RewardScorer(cfg, get_task("addition"))
+    assert _worker_pids() == others

@@ -1,0 +1,303 @@
+"""The scheduler's guarantees under many random timings, with fast fake workers.
+
+The fakes (scheduler_fakes.py) run on threads with random millisecond delays, so completions
+arrive in every order the real workers could produce. Each run checks: no trained sample is more than k
+versions old (by its oldest token), no group is lost, duplicated or trained twice, a resumed
+sample keeps its prefix, and the run terminates. In some runs rollout workers die at random
+moments mid-generation: they are replaced on the rollout's weights before any work reaches
+them again, and the run goes on, up to faults.max_rollout_restarts.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from rl.observe.trace import Trace
+from rl.run.scheduler.loop import Scheduler, Settings
+from rl.types import SamplingParams
+from tests.unit.rl.run.scheduler.fakes import (
+    MAX_NEW_TOKENS,
+    FakeRollout,
+    FakeScorer,
+    FakeTrainer,
+    token_at,
+)
+
+
+def _run(
+    seed: int,
+    k: int,
+    partial: str,
+    dynamic: bool,
+    annotate: bool,
+    release_memory: bool = False,
+    start_version: int = 0,
+    kill_chance: float = 0.0,
+    max_kills: int = 0,
+    kill_at_sync: bool = False,
+    max_restarts: int = 3,
+    trained_group_ids: frozenset[int] = frozenset(),
+):
+    rng = random.Random(seed)
+    settings = Settings(
+        num_steps=5,
+        groups_per_step=3,
+        group_size=2,
+        max_staleness=k,
+        partial_rollout=partial,
+        dynamic_sampling=dynamic,
+        max_groups_per_step=6 if dynamic else 3,
+        release_memory=release_memory,
+        max_rollout_restarts=max_restarts,
+    )
+    rollout = FakeRollout(rng, 2, kill_chance, max_kills, kill_at_sync)
+    rollout.versions = [start_version] * rollout.num_workers
+    trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
+    rollout.trainer_version = lambda: trainer.version
+    rollout.time_sliced = release_memory
+    rollout.trainer_on_device = lambda: trainer.on_device
+
+    drawn: list[int] = []  # group ids in the order their prompts were drawn
+
+    def next_prompt(group_id: int):
+        drawn.append(group_id)
+        return {"prompt": str(group_id)}, [group_id % 50 + 1]
+
+    trace = Trace({"rollout-0": [0], "rollout-1": [0], "trainer": [0], "reward": []})
+    scheduler = Scheduler(
+        settings,
+        SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS),
+        rollout,
+        trainer,
+        FakeScorer(rng),
+        next_prompt,
+        trace,
+        on_version=lambda version: {"eval/version": float(version)},
+        start_version=start_version,
+        first_group_id=100 * start_version,
+        trained_group_ids=trained_group_ids,
+    )
+    rollout.scheduler_version = lambda: scheduler.rollout_version
+    logged: list[tuple[int, dict]] = []
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            for step, metrics in scheduler.run():
+                # Where a checkpoint taken now would resume drawing prompts, and the later
+                # groups it would pass over.
+                first = scheduler.first_untrained_group()
+                metrics["resume/first_group"] = float(first)
+                metrics["resume/trained_ids"] = scheduler.trained_from(first)
+                logged.append((step, metrics))
+                scheduler.devices_to_trainer()  # as the driver does before a checkpoint
+                trainer.save_checkpoint()
+        except Exception as error:  # raised on the test's thread
+            errors.append(error)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the scheduler did not terminate"
+    if errors:
+        raise errors[0]
+    scheduler.drawn = drawn
+    return scheduler, rollout, trainer, logged
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("partial", ["finish", "abort"])
+def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
+    k: int, partial: str
+) -> None:
+    for seed in range(12):
+        dynamic, annotate = seed % 2 == 1, seed % 3 != 0
+        # Rollout workers die in some runs: at random moments, or as syncs come due.
+        kills = [{}, {}, {"kill_chance": 0.2}, {"kill_at_sync": True}][seed % 4]
+        scheduler, rollout, trainer, logged = _run(
+            seed, k, partial, dynamic, annotate, max_kills=3 if kills else 0, **kills
+        )
+        assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+        # Every worker lost was replaced once, and counted in its step's metrics.
+        assert len(trainer.replacements) == len(rollout.kills) <= 3
+        assert sum(m["rollout/workers_replaced"] for _, m in logged) == len(rollout.kills)
+        assert all(m["eval/version"] == step for step, m in logged)
+        seen: set[tuple[int, int]] = set()
+        for step, samples in trainer.trained.items():
+            for sample in samples:
+                assert step - 1 - sample.policy_version <= k
+                assert sample.token_versions == sorted(sample.token_versions)
+                key = (sample.group_id, sample.index)
+                assert key not in seen, f"sample {key} trained twice"
+                seen.add(key)
+                expected = [token_at(sample, p) for p in range(len(sample.response_ids))]
+                assert sample.response_ids == expected, "a resumed sample lost its prefix"
+                prefix = rollout.aborted_prefixes.get(key)
+                if prefix is not None:
+                    assert sample.response_ids[: len(prefix)] == prefix
+        for step, metrics in logged:
+            kept = int(metrics["rollout/kept_groups"])
+            assert len(trainer.trained.get(step, [])) == kept * 2
+            assert metrics["rollout/staleness_max"] <= k
+            if not dynamic:
+                assert kept == 3 and metrics["rollout/generated_groups"] == 3
+            # Counts add up over scoring calls: every scored sample of the step, once.
+            assert metrics["reward/errors"] == metrics["rollout/generated_groups"] * 2
+        # No group lost or duplicated: every group started went to exactly one step.
+        started = sum(int(m["rollout/generated_groups"]) for _, m in logged)
+        assert started == scheduler._num_groups
+        # A checkpoint after step s generates again exactly the groups no step <= s trained:
+        # from its first untrained group on, passing over the trained ones (with dynamic
+        # sampling a replacement group for step s can start after step s+1's first group).
+        trained_at = {
+            s.group_id: step for step, samples in trainer.trained.items() for s in samples
+        }
+        for step, metrics in logged:
+            first, passed_over = metrics["resume/first_group"], metrics["resume/trained_ids"]
+            assert dynamic or not passed_over
+            for group, at in trained_at.items():
+                assert (at <= step) == (group < first or group in passed_over)
+        if partial == "finish":
+            assert rollout.num_interrupts == 0
+
+
+def _trained_group_ids(trainer: FakeTrainer) -> list[int]:
+    return sorted({s.group_id for samples in trainer.trained.values() for s in samples})
+
+
+def _overlap(scheduler: Scheduler) -> float:
+    return scheduler.trace.summary(0.0, time.perf_counter()).get("perf/overlap_fraction", 0.0)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_resumed_scheduler_trains_the_remaining_steps_from_its_first_group(k: int) -> None:
+    scheduler, rollout, trainer, logged = _run(
+        seed=5, k=k, partial="abort", dynamic=False, annotate=True, start_version=2
+    )
+    assert [step for step, _ in logged] == [3, 4, 5]
+    group_ids = _trained_group_ids(trainer)
+    assert group_ids == list(range(200, 209))
+    assert all(s.policy_version >= 2 for samples in trainer.trained.values() for s in samples)
+
+
+def test_a_resumed_scheduler_draws_but_passes_over_groups_its_checkpoint_trained() -> None:
+    scheduler, rollout, trainer, logged = _run(
+        seed=5,
+        k=1,
+        partial="finish",
+        dynamic=False,
+        annotate=False,
+        start_version=2,
+        trained_group_ids=frozenset({201, 204}),
+    )
+    group_ids = _trained_group_ids(trainer)
+    assert group_ids == [200, 202, 203, *range(205, 211)]
+    # Their prompts are still drawn, in order, so the prompt stream stays on the same course.
+    assert scheduler.drawn == list(range(200, 211))
+
+
+def test_on_policy_never_trains_while_generating() -> None:
+    scheduler, _, _, logged = _run(seed=3, k=0, partial="finish", dynamic=False, annotate=False)
+    assert all(m["rollout/staleness_max"] == 0 for _, m in logged)
+    assert _overlap(scheduler) == 0.0
+
+
+def test_log_probs_of_finished_groups_stream_while_the_tail_generates() -> None:
+    # On-policy, the only overlap possible is the trainer's log-probs of groups already done.
+    runs = [_run(seed, k=0, partial="finish", dynamic=False, annotate=True) for seed in range(6)]
+    assert max(_overlap(scheduler) for scheduler, *_ in runs) > 0.0
+
+
+def test_staleness_one_generates_the_next_step_while_training() -> None:
+    runs = [_run(seed, k=1, partial="finish", dynamic=False, annotate=False) for seed in range(4)]
+    assert max(_overlap(scheduler) for scheduler, *_ in runs) > 0.0
+
+
+def test_abort_resumes_interrupted_samples_with_newer_tokens() -> None:
+    resumed = 0
+    for seed in range(20):
+        _, rollout, trainer, _ = _run(seed, k=2, partial="abort", dynamic=False, annotate=False)
+        for samples in trainer.trained.values():
+            resumed += sum(len(set(s.token_versions)) > 1 for s in samples)
+    assert resumed > 0, "no run interrupted a generation: the abort path went untested"
+
+
+def test_time_sliced_engines_and_trainer_take_turns_holding_the_devices() -> None:
+    # The fakes assert the rest at every call: no generation, and no KV cache back, while the
+    # trainer's state is on the devices; weights loaded only once the engines have them back.
+    for seed in range(6):
+        _, rollout, trainer, logged = _run(
+            seed, k=0, partial="finish", dynamic=seed % 2 == 1, annotate=True, release_memory=True
+        )
+        assert len(logged) == 5
+        assert trainer.rollout_asleep_at_train == [True] * 5
+        assert all(trainer.rollout_asleep_when_computing)
+        assert len(trainer.rollout_asleep_when_computing) >= 10  # annotate and train each step
+        assert trainer.num_releases >= 5  # after every push
+        # The run ends on a checkpoint (one after every step here): the devices are the trainer's.
+        assert trainer.num_checkpoints == 5
+        assert rollout.asleep and trainer.on_device
+
+
+def test_time_sliced_devices_go_back_to_the_engines_after_a_lost_worker_is_replaced() -> None:
+    replaced = 0
+    for seed in range(8):
+        _, rollout, trainer, logged = _run(
+            seed,
+            k=0,
+            partial="finish",
+            dynamic=False,
+            annotate=True,
+            release_memory=True,
+            kill_chance=0.3,
+            max_kills=2,
+        )
+        assert len(logged) == 5
+        assert all(trainer.rollout_asleep_when_computing)
+        replaced += len(trainer.replacements)
+    assert replaced > 0, "no worker was lost: the replacement path went untested"
+
+
+def test_workers_lost_as_a_sync_comes_due_are_replaced_by_the_sync() -> None:
+    # The sync waits for generation to end: a worker dying then must not stall it, and the
+    # replacement (trained weights not pushed yet) starts on the base ones, then gets the push.
+    lost_pending = lost_interrupted = 0
+    for seed in range(12):
+        _, rollout, trainer, logged = _run(
+            seed, k=2, partial="abort", dynamic=False, annotate=True, max_kills=3, kill_at_sync=True
+        )
+        assert len(logged) == 5
+        lost_pending += sum(trained > served for _, trained, served, _ in rollout.kills)
+        lost_interrupted += sum(interrupted for *_, interrupted in rollout.kills)
+        assert sorted(trainer.replacements) == sorted((worker, 0) for worker, *_ in rollout.kills)
+    assert lost_pending > 0 and lost_interrupted > 0, "no worker died while a sync waited"
+
+
+def test_a_worker_lost_while_the_trainer_is_idle_is_replaced_on_the_rollout_weights() -> None:
+    # On-policy nothing trains while generating: every replacement streams the version the
+    # rollout serves, since the trainer holds just that one.
+    for seed in range(4):
+        _, rollout, trainer, logged = _run(
+            seed, k=0, partial="finish", dynamic=False, annotate=False, kill_chance=0.3, max_kills=3
+        )
+        assert len(logged) == 5 and rollout.kills
+        lost = [(worker, served) for worker, _, served, _ in rollout.kills]
+        assert sorted(trainer.replacements) == sorted(lost)
+
+
+def test_losing_more_rollout_workers_than_the_cap_fails_the_run() -> None:
+    with pytest.raises(RuntimeError, match=r"rollout worker \d died generating: 2 rollout .*= 1"):
+        _run(
+            seed=0,
+            k=1,
+            partial="finish",
+            dynamic=False,
+            annotate=False,
+            kill_chance=1.0,
+            max_kills=10,
+            max_restarts=1,
+        )

@@ -1,0 +1,135 @@
+"""From samples to a training step: reward shaping, model annotations and the batch's order of
+operations (proximal log-probs, KL penalty, advantages, off-policy weights).
+
+The reward scorer and trainer group are small fakes: what is tested is the driver-side logic
+that decides with which tensors each sample trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl.algorithms.off_policy import proximal_from_forward, recomputes_old_logprobs
+from rl.config import Config
+from rl.run.experience import KLController, StreamingScorer, annotate_samples, prepare_batch
+from rl.types import Sample
+
+GROUP = 2
+
+
+def _config(trainer: dict | None = None, scheduler: dict | None = None, **algorithm) -> Config:
+    return Config.model_validate(
+        {
+            "model": {"path": "unused"},
+            "rollout": {"max_new_tokens": 4},
+            "algorithm": {"group_size": GROUP, **algorithm},
+            "trainer": trainer or {},
+            "scheduler": scheduler or {},
+            "run": {"prompts_per_step": 2},
+        }
+    )
+
+
+def _samples() -> list[Sample]:
+    return [
+        Sample([1, 2], group_id=0, index=0, response_ids=[3, 4], logprobs=[-0.5, -0.5]),
+        Sample([1, 2], group_id=0, index=1, response_ids=[3], logprobs=[-0.5]),
+    ]
+
+
+class _RewardScorer:
+    def score(self, prompts, responses, examples):
+        return torch.zeros(len(responses)), {"reward/errors": 0.0}
+
+    def close(self) -> None:
+        pass
+
+
+def test_overlong_shaping_penalises_responses_in_the_buffer() -> None:
+    # max_new_tokens 4, buffer 3: 1 token is free, 2 tokens cost 1/3 of the penalty.
+    cfg = _config(overlong_buffer=3, overlong_penalty=0.9)
+    scorer = StreamingScorer(cfg, _RewardScorer())
+    try:
+        groups = [(_samples(), {"prompt": "p"}), (_samples()[1:], {"prompt": "q"})]
+        scores, metrics = scorer.score(groups).result(timeout=10)
+    finally:
+        scorer.close()
+    assert scores == [pytest.approx([-0.3, 0.0]), pytest.approx([0.0])]
+    assert metrics == {"reward/errors": 0.0}
+
+
+class _Trainers:
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+        self.calls: list[str] = []
+
+    def compute_logprobs(self, batch, model: str = "policy") -> torch.Tensor:
+        self.calls.append(model)
+        offset = self.shift if model == "policy" else 2 * self.shift
+        return (batch.behaviour_logprobs + offset) * batch.loss_mask
+
+
+def test_annotation_fills_each_samples_response_tokens_only() -> None:
+    cfg = _config(recompute_old_logprobs=True, kl_coef=0.1)
+    trainers = _Trainers(shift=1.0)
+    samples = annotate_samples(cfg, _samples(), 0, trainers, None)
+    assert trainers.calls == ["policy", "reference"]
+    assert [s.old_logprobs for s in samples] == [[0.5, 0.5], [0.5]]
+    assert [s.ref_logprobs for s in samples] == [[1.5, 1.5], [1.5]]
+    assert all(s.values is None for s in samples)
+
+
+def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
+    cfg = _config(recompute_old_logprobs=True, off_policy="token-tis", is_cap=1.5)
+    samples = annotate_samples(cfg, _samples(), 0, _Trainers(shift=1.0), None)
+    batch, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, KLController(cfg.algorithm))
+    assert metrics["off_policy/max_abs_logprob_gap"] == pytest.approx(1.0)
+    # exp(1) > 1.5: every response token's weight is truncated at the cap.
+    assert batch.is_weights[batch.loss_mask.bool()].tolist() == pytest.approx([1.5] * 3)
+    assert batch.advantages[0].abs().sum() > 0
+
+
+def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
+    cfg = _config(
+        kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", kl_target=0.01, advantage="rloo"
+    )
+    trainers = _Trainers(shift=0.5)
+    samples = annotate_samples(cfg, _samples(), 0, trainers, None)
+    assert trainers.calls == ["reference"]
+    controller = KLController(cfg.algorithm)
+    batch, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller)
+    # k1 = old - ref per token: old is behaviour (-0.5), ref is behaviour + 1.0.
+    assert metrics["kl/reward_penalty"] == pytest.approx((2 * -1.0 + 1 * -1.0) / 2)
+    assert metrics["kl/coef"] == 0.1 and controller.coef != 0.1
+    # Equal scores, but the longer response pays more KL: rloo now separates them.
+    assert batch.advantages[0, 2].item() != 0.0
+
+
+def test_a_keep_all_correction_takes_the_proximal_policy_from_the_training_forward() -> None:
+    cfg = _config(off_policy="token-tis")
+    # One optimizer step per batch: the training forward is the proximal policy, no extra pass.
+    assert proximal_from_forward(cfg) and not recomputes_old_logprobs(cfg)
+    assert not recomputes_old_logprobs(_config())  # none: PPO's ratio is against behaviour
+
+
+@pytest.mark.parametrize(
+    "reason, cfg",
+    [
+        ("two optimizer steps per batch", _config({"num_mini_batches": 2}, off_policy="token-tis")),
+        ("a correction that drops tokens", _config(off_policy="token-mis")),
+        ("KL in the reward", _config(off_policy="seq-tis", kl_coef=0.1, kl_in_reward=True)),
+    ],
+)
+def test_a_separate_pass_recomputes_the_proximal_policy_when_the_forward_cannot(
+    reason: str, cfg: Config
+) -> None:
+    assert not proximal_from_forward(cfg), reason
+    assert recomputes_old_logprobs(cfg), reason
+
+
+def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> None:
+    cfg = _config(scheduler={"max_staleness": 1}, off_policy="token-tis")
+    batch, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
+    assert batch.is_weights is None and "off_policy/weight_mean" not in metrics
+    assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)

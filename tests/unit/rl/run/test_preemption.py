@@ -1,0 +1,72 @@
+"""The driver's signal handling (rl.run.preemption), in a child process that the signals reach."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# The main thread spends its time in long C calls that release the GIL (matmuls of about
+# 0.5 s), as a driver does in `ray.get`: Python-level handlers run only between them.
+_CHILD = textwrap.dedent(
+    """
+    import signal
+    import torch
+    from rl.run.preemption import StopRequest
+
+    torch.set_num_threads(1)
+    matrix = torch.randn(4096, 4096)
+    stop = StopRequest()
+    with stop.installed():
+        print("ready", flush=True)
+        for _ in range({num_matmuls}):
+            matrix @ matrix
+        print("after the loop:", stop.signal_name, flush=True)
+    print("handler restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    """
+)
+
+
+@contextmanager
+def _child(num_matmuls: int) -> Iterator[subprocess.Popen]:
+    """The child, started and into its first matmul; killed if a test leaves it running."""
+    code = _CHILD.format(num_matmuls=num_matmuls)
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline() == "ready\n"
+        time.sleep(0.2)
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_two_signals_while_the_main_thread_is_in_c_code_exit_at_once() -> None:
+    # Two signals inside one matmul reach a Python-level handler as one call; the loop is
+    # about a minute long, so only acting on each signal ends it within the timeout.
+    with _child(100) as process:
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.1)  # the kernel merges a signal into one still pending
+        os.kill(process.pid, signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM: finishing the current step" in stderr
+    assert "second SIGTERM: exiting now" in stderr
+    assert "after the loop" not in stdout
+
+
+def test_one_signal_is_recorded_and_the_block_runs_on_then_restores_the_handler() -> None:
+    with _child(4) as process:
+        os.kill(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    assert "SIGINT: finishing the current step" in stderr
+    assert "after the loop: SIGINT" in stdout
+    assert "handler restored: True" in stdout

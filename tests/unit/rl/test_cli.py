@@ -1,0 +1,223 @@
+"""`rl train` rejects bad input before anything starts: exit 2, a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.repo import REPO, RUNTIME_ENV, shipped_recipes
+
+DEMO = "recipes/grpo_addition_cpu.yaml"
+
+# Runs the CLI in a fresh interpreter and proves no actor could have started: neither Ray nor
+# vLLM nor the driver was even imported.
+_PROBE = (
+    "import sys; from rl.cli import main; rc = main(sys.argv[1:]); "
+    "heavy = [m for m in ('ray', 'vllm', 'rl.run.driver') if m in sys.modules]; "
+    "assert not heavy, heavy; sys.exit(rc)"
+)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_unknown_override_key_names_key_file_and_closest_keys() -> None:
+    result = run_cli("train", DEMO, "trainer.lrr=1e-3")
+    assert result.returncode == 2
+    assert "unknown key 'trainer.lrr'" in result.stderr
+    assert DEMO in result.stderr
+    assert "did you mean 'trainer.lr'" in result.stderr
+
+
+def test_unknown_key_in_recipe_file_names_the_file(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  path: x\nrollout:\n  temprature: 0.5\n")
+    result = run_cli("train", str(recipe))
+    assert result.returncode == 2
+    assert str(recipe) in result.stderr
+    assert "unknown key 'rollout.temprature'" in result.stderr
+    assert "rollout.temperature" in result.stderr
+
+
+def test_wrong_type_names_key_value_and_override() -> None:
+    result = run_cli("train", DEMO, "run.num_steps=many")
+    assert result.returncode == 2
+    assert "run.num_steps" in result.stderr
+    assert "'many'" in result.stderr
+    assert "override run.num_steps=many" in result.stderr
+
+
+def test_missing_recipe_file_is_named() -> None:
+    result = run_cli("train", "recipes/does_not_exist.yaml")
+    assert result.returncode == 2
+    assert "recipe file not found: recipes/does_not_exist.yaml" in result.stderr
+
+
+def test_missing_model_path_says_how_to_build_it() -> None:
+    result = run_cli("train", DEMO, "model.path=/nonexistent/model", "base.build_if_missing=false")
+    assert result.returncode == 2
+    assert "model.path='/nonexistent/model' does not exist" in result.stderr
+    assert f"rl build-base {DEMO}" in result.stderr
+
+
+def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> None:
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", "model.frozen=[model.embed.*]")
+    assert result.returncode == 2
+    assert "model.frozen: 'model.embed.*' matches no parameter" in result.stderr
+    assert "model.embed_tokens.weight" in result.stderr  # the names it could have meant
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.num_mini_batches=5",
+        "algorithm.group_size=1",
+        "algorithm.kl_estimator=k4",
+        "algorithm.loss_agg=sum",
+        "scheduler.rollout_devices=1",  # sizes the split placement only
+        "scheduler.max_staleness=-1",
+        "scheduler.devices_per_node=3",  # TP 2 groups would straddle nodes (with the next one)
+        "algorithm.off_policy=is",
+        "algorithm.dual_clip=0.5",
+        "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef
+        "algorithm.overlong_buffer=8",
+        "data.task=math",  # needs data files
+        "data.task=multiplication",
+        "reward.terms=[{name: nope}]",
+        "trainer.sharding=hybrid",  # without trainer.shard_group_size
+        "trainer.shard_group_size=2",  # sizes hybrid sharding only
+        "trainer.micro_batch_tokens=-1",
+        "scheduler.num_devices=2",  # with scheduler.placement=split below
+        "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
+        "rollout.engine=sglang",
+        "trainer.share_prompts=true",  # with trainer.packing=true below
+        "rollout.compile=true",  # with rollout.engine=torch below
+    ],
+)
+def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
+    needs_tp = override.startswith("scheduler.devices") or override == "rollout.engine=torch"
+    tp = ["rollout.tensor_parallel_size=2"] if needs_tp else []
+    split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
+    packing = ["trainer.packing=true"] if override.startswith("trainer.share_prompts") else []
+    engine = ["rollout.engine=torch"] if override.startswith("rollout.compile") else []
+    result = run_cli("train", DEMO, override, *tp, *split, *packing, *engine)
+    assert result.returncode == 2
+    assert override.split("=")[0] in result.stderr
+
+
+RECIPES = [str(p.relative_to(REPO)) for p in shipped_recipes()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_dry_runs_without_starting_anything(recipe: str) -> None:
+    result = run_cli("train", recipe, "--dry-run")  # the probe fails if ray/vllm were imported
+    assert result.returncode == 0, result.stderr
+    assert f"{recipe}: config ok" in result.stdout
+    assert "colocate:" in result.stdout and "trainer: " in result.stdout
+    assert "dry run: nothing started" in result.stdout
+
+
+def test_dry_run_refuses_a_plan_too_big_for_the_devices_it_is_told_of(tmp_path: Path) -> None:
+    # Qwen2.5-7B's sizes are all the estimate reads: no weights needed.
+    config = {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    recipe = "recipes/gpu/ppo_qwen2.5_7b_gsm8k.yaml"
+    fits = run_cli(
+        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "80"
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert "model: 7.616B parameters; devices: GPUs of 80 GiB" in fits.stdout
+    assert "fits, a device shared by a trainer rank and vLLM" in fits.stdout
+    small = run_cli(
+        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "40"
+    )
+    assert small.returncode == 2
+    assert f"error: {recipe}: the plan does not fit its devices" in small.stderr
+    assert (
+        "needed of 40.00 GiB; shard over more trainer ranks (trainer.num_workers)" in small.stderr
+    )
+
+
+def test_the_ray_runtime_env_example_ships_the_checkout_and_streams_logs() -> None:
+    runtime_env = yaml.safe_load(RUNTIME_ENV.read_text())
+    assert set(runtime_env) <= {"working_dir", "excludes", "env_vars", "pip", "py_modules"}
+    assert runtime_env["working_dir"] == "."
+    assert {".git", "runs", ".cache"} <= set(runtime_env["excludes"])
+    assert runtime_env["env_vars"]["PYTHONUNBUFFERED"] == "1"
+
+
+def test_log_format_and_verbose_flags_set_their_run_keys() -> None:
+    result = run_cli("train", DEMO, "--dry-run", "--log-format", "json", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert '"log_format": "json"' in result.stdout and '"verbose": true' in result.stdout
+
+
+def test_eval_of_a_non_model_or_a_missing_data_file_fails_before_vllm_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    not_a_model = run_cli("eval", str(tmp_path), "--data", "x.jsonl", "--task", "addition")
+    assert not_a_model.returncode == 2
+    assert f"{tmp_path} is neither an HF model directory" in not_a_model.stderr
+    missing = run_cli("eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"))
+    assert missing.returncode == 2
+    assert "does not record its task: give --task" in missing.stderr
+    missing = run_cli(
+        "eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"), "--task", "addition"
+    )
+    assert missing.returncode == 2
+    assert f"data file not found: {tmp_path / 'no.jsonl'}" in missing.stderr
+
+
+def test_report_of_a_directory_without_a_run_names_the_missing_file(tmp_path: Path) -> None:
+    result = run_cli("report", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path / 'metrics.jsonl'} is missing" in result.stderr
+
+
+def test_dry_run_reports_missing_inputs_without_failing() -> None:
+    result = run_cli(
+        "train", DEMO, "--dry-run", "model.path=/nowhere", "base.build_if_missing=false"
+    )
+    assert result.returncode == 0
+    assert "inputs NOT READY HERE" in result.stdout and "/nowhere" in result.stdout
+
+
+def test_help_config_lists_every_key_with_type_default_and_description() -> None:
+    result = run_cli("train", "--help-config")
+    assert result.returncode == 0
+    assert "trainer.lr: float = 1e-05  # AdamW learning rate" in result.stdout
+    assert "model.path: str = (required)" in result.stdout
+
+
+def test_a_bad_data_row_is_named_by_file_and_line_before_anything_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": " ", "answer": "3"}\n')
+    test.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    files = [f"data.train_files=[{train}]", f"data.test_files=[{test}]"]
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", *files)
+    assert result.returncode == 2
+    assert f"data file {train} line 2: 'prompt' is empty" in result.stderr
+    assert "data.bad_rows=skip" in result.stderr
+
+
+def test_a_missing_resume_checkpoint_is_named_before_anything_starts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "checkpoints" / "step_000009"
+    result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", "--resume", str(missing))
+    assert result.returncode == 2
+    assert f"checkpoint {missing} does not exist" in result.stderr
