@@ -1,9 +1,8 @@
 """The attention every Tandem model runs: SDPA, except for short bf16 attention on CPU.
 
-PyTorch's CPU flash-attention kernel is slow in half precision on short sequences: forward
-plus backward of a [128 rows x 4 heads x 18 tokens] bf16 batch takes 7x as long as an
-explicit softmax(QK^T)V, 1.6-1.9x at 140 tokens; from about 256 tokens on the flash kernel's
-tiling wins (0.4x at 512; bench/attention.py). Tiny models on CPU live at those lengths, in training and
+PyTorch's CPU flash-attention kernel is slow in half precision on short sequences: there an
+explicit softmax(QK^T)V is several times faster, and from a few hundred tokens on the flash
+kernel's tiling wins (bench/attention.py measures where; docs/benchmarks.md). Tiny models on CPU live at those lengths, in training and
 in decoding, so `attention` computes the explicit product there and calls SDPA everywhere
 else (fp32, GPUs, long keys). It is registered with transformers as `ATTENTION`, with SDPA's
 boolean masks, so packed rows keep their per-sample masks either way.

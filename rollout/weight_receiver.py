@@ -129,11 +129,10 @@ class WeightReceiver:
     An update is one of vLLM's layerwise reloads spread over the buckets: bucket 0 puts every
     layer in reload state, each layer is loaded and re-processed (on CPU: repacked for oneDNN)
     as soon as its tensors are in, and finish processes what is left. One reload per update,
-    not per bucket: setting up and finishing a reload walks every module (34 ms a call on
-    Qwen2.5-0.5B, measured).
+    not per bucket: setting up and finishing a reload walks every module.
     """
 
-    def tandem_open_sync(
+    def tandem_open_receiver(
         self, plan_json: str, channel_spec: ChannelSpec, first_member: int
     ) -> None:
         """Join the weight-sync channel `channel_spec` for the transfer plan `plan_json`; this

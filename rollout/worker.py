@@ -91,10 +91,10 @@ class RolloutWorker:
         """Temperature-1 log-probs of each sequence's tokens after its prompt."""
         return self._engine.score(sequences, num_prompt_tokens)
 
-    async def open_weight_sync(
+    async def open_weight_receiver(
         self, plan_json: str, channel_spec: ChannelSpec, first_member: int
     ) -> None:
-        self._engine.open_weight_sync(plan_json, channel_spec, first_member)
+        self._engine.open_weight_receiver(plan_json, channel_spec, first_member)
 
     async def apply_weight_bucket(
         self, bucket: int, version: int, last: bool

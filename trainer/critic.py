@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,17 +19,16 @@ from transformers import AutoModelForCausalLM
 from kernels.attention import ATTENTION
 from rl.config import Config, TrainerConfig
 from rl.types import Batch, ValueLoss
-from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput
 from trainer.ranks import (
+    RoleRank,
     adamw_with_warmup,
     check_batching,
     gather_rows,
     init_rank,
-    micro_batches,
     mini_batch_slices,
     optimizer_step,
     peak_memory_mb,
@@ -86,7 +83,7 @@ def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig
     return model
 
 
-class ValueTrainer:
+class ValueTrainer(RoleRank):
     """One FSDP2 rank of the critic. Plain class, no Ray."""
 
     def __init__(
@@ -117,16 +114,6 @@ class ValueTrainer:
         self.residency = DeviceResidency(
             self.device, [self.model], self.optimizer, cfg.trainer.offload
         )
-
-    def release_memory(self) -> None:
-        """Hand this rank's device memory to a colocated rollout engine until the next call
-        that computes (`trainer.offload`)."""
-        self.residency.release()
-
-    def _micro_batches(
-        self, batch: Batch
-    ) -> Iterator[tuple[Batch, ModelInput, torch.Tensor | None]]:
-        return micro_batches(batch, self.rank, self.world_size, self.cfg.trainer, self.device)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
@@ -252,20 +239,5 @@ class ValueTrainer:
             "memory/critic_peak_mb": peak_memory_mb(self.device),
         }
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's shards of the critic and its optimizer (collective)."""
-        self.residency.ensure_on_device()
-        reshard(self.model)
-        save_training_state(
-            Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
-        )
-
-    def load_checkpoint(self, directory: str) -> None:
-        self.residency.ensure_on_device()
-        load_training_state(
-            Path(directory), self.rank, self.model, self.optimizer, self.scheduler, self.loss_scale
-        )
-
-    def close(self) -> None:
-        """Leave the process group (the last call on this object)."""
-        dist.destroy_process_group()
+    def _trained(self) -> nn.Module:
+        return self.model

@@ -116,7 +116,7 @@ def compile_layers(layers: nn.ModuleList) -> None:
     Shapes are specialised on the first micro-batch; the first micro-batch of another shape
     recompiles with its batch and length dimensions symbolic, and that graph serves every
     later shape and layer (dynamic=True from the start also makes the hidden sizes symbolic,
-    and its kernels ran 2x slower on CPU).
+    and its kernels run slower on CPU).
     """
     for layer in layers:
         layer.forward = torch.compile(layer.forward)

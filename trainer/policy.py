@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
@@ -20,19 +19,17 @@ from rl.config import Config
 from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan
 from rl.sync.transport import ChannelSpec
 from rl.types import Batch, PolicyObjective
-from trainer.checkpoint import load_training_state, save_training_state
 from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
 from trainer.hf_model import save_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
-from trainer.packing import ModelInput
 from trainer.ranks import (
+    RoleRank,
     StepResult,
     adamw_with_warmup,
     check_batching,
     gather_rows,
     init_rank,
-    micro_batches,
     mini_batch_slices,
     optimizer_step,
     peak_memory_mb,
@@ -52,7 +49,7 @@ def _rows_to_train(batch: Batch) -> torch.Tensor:
     return rows if len(rows) else torch.zeros(1, dtype=torch.long)
 
 
-class PolicyTrainer:
+class PolicyTrainer(RoleRank):
     """One FSDP2 rank of the policy (and optional frozen reference). Plain class, no Ray."""
 
     def __init__(
@@ -95,17 +92,6 @@ class PolicyTrainer:
         self.residency = DeviceResidency(
             self.device, [self.policy, *frozen], self.optimizer, cfg.trainer.offload
         )
-
-    def release_memory(self) -> None:
-        """Hand this rank's device memory to a colocated rollout engine until the next call
-        that computes (`trainer.offload`)."""
-        self.residency.release()
-
-    def _micro_batches(
-        self, batch: Batch
-    ) -> Iterator[tuple[Batch, ModelInput, torch.Tensor | None]]:
-        """(micro-batch, model input, its rows) of this rank (`trainer.ranks.micro_batches`)."""
-        return micro_batches(batch, self.rank, self.world_size, self.cfg.trainer, self.device)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
@@ -286,20 +272,11 @@ class PolicyTrainer:
             save_hf_atomic(self.policy.model, tokenizer, out_dir, state_dict=state)
         dist.barrier()
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's shards of the policy and its optimizer into `directory`
-        (collective; the frozen reference is the model.path checkpoint and is not saved)."""
-        self.residency.ensure_on_device()
-        reshard(self.policy)
-        save_training_state(Path(directory), self.rank, *self._checkpointed())
-
-    def load_checkpoint(self, directory: str) -> None:
-        """Continue from what `save_checkpoint` wrote (collective)."""
-        self.residency.ensure_on_device()
-        load_training_state(Path(directory), self.rank, *self._checkpointed())
+    def _trained(self) -> nn.Module:
+        return self.policy
 
     def _checkpointed(self) -> tuple:
-        """What a checkpoint holds: the policy, its optimizer, schedule and fp16 loss scale."""
+        """The HF model inside the root, as the checkpoint names it, and its state."""
         return self.policy.model, self.optimizer, self.scheduler, self.loss_scale
 
     def parameter_checksum(self) -> float:
@@ -313,7 +290,3 @@ class PolicyTrainer:
         total = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1)
         dist.all_reduce(total)
         return total.item() / self.num_replicas
-
-    def close(self) -> None:
-        """Leave the process group (the last call on this object)."""
-        dist.destroy_process_group()

@@ -35,15 +35,11 @@ RESUMABLE_CHANGES = (
 )
 
 
-def run_dir_of(cfg: Config) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
-
-
 def find_resume_point(cfg: Config, resume: str | None) -> Path | None:
     """The checkpoint to continue from (None: a fresh start). CheckpointError when PATH is
     not a good checkpoint of this run. A fresh start moves an earlier run's checkpoints
     aside rather than mixing them with its own."""
-    root = checkpoint_root(run_dir_of(cfg))
+    root = checkpoint_root(cfg.run.directory())
     if resume is None:
         if root.is_dir() and any(root.iterdir()):
             aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")

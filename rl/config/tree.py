@@ -11,9 +11,13 @@ reporting) to the model, data, rollout, trainer, algorithm, critic and reward se
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# What a weight sync does to the generations in flight (scheduler.partial_rollout).
+PartialRollout = Literal["finish", "abort"]
 
 
 class Section(BaseModel):
@@ -58,7 +62,7 @@ class SchedulerConfig(Section):
         description="k: a trained sample's oldest token is at most k policy versions old; 0 = "
         "on-policy, k >= 1 generates the next steps while the trainer trains.",
     )
-    partial_rollout: Literal["finish", "abort"] = Field(
+    partial_rollout: PartialRollout = Field(
         "finish",
         description="At a weight sync, generations in flight finish under the old weights, or "
         "are aborted and resumed under the new ones with their prefix kept.",
@@ -106,6 +110,10 @@ class RunConfig(Section):
     tensorboard: bool = Field(
         True, description="Also write the step metrics as tensorboard scalars (RUN/tensorboard)."
     )
+
+    def directory(self) -> Path:
+        """Where the run writes everything: output_dir/name."""
+        return Path(self.output_dir) / self.name
 
 
 class CheckpointConfig(Section):

@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-from rl.checkpoint.resume import run_dir_of
 from rl.config import Config
 
 
@@ -20,7 +19,7 @@ def actor_log_file(cfg: Config, role: str) -> str | None:
     """The log file of actor `role` (e.g. "rollout-0", "trainer-1"); None when verbose."""
     if cfg.run.verbose:
         return None
-    return str(run_dir_of(cfg) / "logs" / f"{role}.log")
+    return str(cfg.run.directory() / "logs" / f"{role}.log")
 
 
 def redirect_output(log_file: str) -> None:

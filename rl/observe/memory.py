@@ -79,8 +79,8 @@ def reuse_freed_host_memory() -> bool:
     pages of its own and hands them back to the kernel when it is freed, then raises those
     limits as it goes; a train step's mix of sizes kept it mapping and page-faulting its
     activations in afresh every micro-batch. Allocations up to 32 MiB now come from the heap,
-    which keeps up to 256 MiB free at its top instead of trimming it. The time-to-accuracy
-    recipe's CPU train step: about 49 ms against 56 (docs/benchmarks.md).
+    which keeps up to 256 MiB free at its top instead of trimming it (its effect on the train
+    step: docs/benchmarks.md).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -23,7 +23,6 @@ import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rl.base.build import ensure_base
-from rl.checkpoint.resume import run_dir_of
 from rl.checkpoint.run_state import DriverState, RunCheckpoints
 from rl.checkpoint.store import checkpoint_root, newest_valid
 from rl.cluster.reservation import init_ray, reserve
@@ -64,7 +63,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     ensure_base(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = _Data.of(cfg, examples, tokenizer, limit)
-    run_dir = run_dir_of(cfg)
+    run_dir = cfg.run.directory()
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = StopRequest()
     num_restarts = 0

@@ -67,7 +67,7 @@ class WeightSync:
             ray.get(
                 [w.open_weight_sender.remote(self._plan_json, spec) for w in self._trainers]
                 + [
-                    worker.open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                    worker.open_weight_receiver.remote(self._plan_json, spec, first_member[i])
                     for i, worker in enumerate(workers)
                 ]
             )
@@ -81,7 +81,7 @@ class WeightSync:
             indices = list(range(len(workers)))
         ray.get(
             [
-                workers[i].open_weight_sync.remote(self._plan_json, spec, first_member[i])
+                workers[i].open_weight_receiver.remote(self._plan_json, spec, first_member[i])
                 for i in indices
             ]
         )

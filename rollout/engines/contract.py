@@ -49,7 +49,7 @@ class RolloutEngine(Protocol):
         ...
 
     # Weight sync (the receiving side).
-    def open_weight_sync(
+    def open_weight_receiver(
         self, plan_json: str, channel_spec: ChannelSpec, first_member: int
     ) -> None:
         """Join the channel as members first_member .. first_member + TP size - 1."""

@@ -1,7 +1,7 @@
 """A rollout engine in plain PyTorch for tiny models on CPU (`rollout.engine: torch`).
 
-vLLM's scheduler, sampler and output processing cost about 15 ms an engine step here whatever
-the model, which is most of a step for a ~1M-parameter model (docs/benchmarks.md). This engine
+vLLM's scheduler, sampler and output processing cost a fixed time an engine step whatever the
+model, which is most of a step for a ~1M-parameter model (docs/benchmarks.md). This engine
 runs the HF model itself over a KV cache: each `start` call's samples form one cohort, left
 padded and prefilled together, then decoded one token per step; rows that finish leave the
 cache. It keeps VLLMEngine's contract: the same seeds per sample, behaviour log-probs after
@@ -177,7 +177,7 @@ class TorchEngine:
             for i, (seq, start) in enumerate(zip(sequences, num_prompt_tokens, strict=True))
         ]
 
-    def open_weight_sync(
+    def open_weight_receiver(
         self, plan_json: str, channel_spec: ChannelSpec, first_member: int
     ) -> None:
         """Join the weight-sync channel `channel_spec` as member `first_member`."""
@@ -195,7 +195,7 @@ class TorchEngine:
         0); returns the bytes read. Until `finish_weight_update` the engine refuses to serve."""
         self._check_idle("a weight update")
         update = self._update
-        assert update is not None, "open_weight_sync first"
+        assert update is not None, "open_weight_receiver first"
         if bucket == 0:
             update.base_rss, update.load_s = rss_bytes(), 0.0
             reset_peak_rss()

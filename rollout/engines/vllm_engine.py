@@ -40,7 +40,7 @@ def _configure_environment() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # Ray sets OMP_NUM_THREADS from the actor's CPUs (floor, at least 1). Set torch's count
     # before vLLM starts: left at its all-cores default, vLLM lowers it only later, and
-    # generation ran 6x slower on a shared 2-core machine (measured).
+    # generation runs several times slower on a shared 2-core machine.
     num_threads = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(num_threads)
     return num_threads
@@ -178,8 +178,8 @@ class VLLMEngine:
     def _take_held_outputs(self) -> None:
         """Append to the running samples what vLLM holds for them and drops on an abort.
 
-        Requests ask for their final output only: per-step deltas cost about 4% of generation
-        time (measured in bench/bare_components.py), for tokens that matter only when a
+        Requests ask for their final output only: per-step deltas cost generation time
+        (bench/bare_components.py), for tokens that matter only when a
         request is aborted. Until then vLLM's output processor holds each running sample's
         tokens and log-probs, and a group's finished samples in its parent request.
         """
@@ -252,12 +252,14 @@ class VLLMEngine:
             for seq, start, output in zip(sequences, num_prompt_tokens, outputs, strict=True)
         ]
 
-    def open_weight_sync(
+    def open_weight_receiver(
         self, plan_json: str, channel_spec: ChannelSpec, first_member: int
     ) -> None:
         """Join the weight-sync channel `channel_spec` (`rl.sync.transport.open_channel`) for
         the transfer plan `plan_json`; TP rank t is channel member first_member + t."""
-        self._llm.collective_rpc("tandem_open_sync", args=(plan_json, channel_spec, first_member))
+        self._llm.collective_rpc(
+            "tandem_open_receiver", args=(plan_json, channel_spec, first_member)
+        )
 
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
         """Load bucket `bucket` of `version` (buckets in order from 0); returns bytes read by
@@ -340,8 +342,7 @@ def _take_peak_memory_bytes(worker: object) -> int:
 
 def _requests(samples: list[Sample], n: int) -> list[list[Sample]]:
     """The vLLM requests for `samples`: a fresh group's n samples (indices 0..n-1 in order)
-    share one request, which vLLM fans out after one prefill (measured 10% faster than n
-    requests); a resumed sample, or a group given in part, is a request of its own."""
+    share one request, which vLLM fans out after one prefill (faster than n requests); a resumed sample, or a group given in part, is a request of its own."""
     requests: list[list[Sample]] = []
     position = 0
     while position < len(samples):

@@ -69,7 +69,7 @@ class Scheduler:
             settings.num_steps,
             settings.groups_per_step,
             settings.max_staleness,
-            settings.max_groups_per_step or settings.groups_per_step,
+            settings.max_groups_per_step,
             first_step=start_version + 1,
         )
         self.trainer_version = start_version  # the trainer's weights: steps trained

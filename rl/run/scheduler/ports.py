@@ -12,25 +12,26 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from rl.config import Config
+from rl.config import Config, PartialRollout
 from rl.types import Sample, SamplingParams
 
 
 @dataclass
 class Settings:
-    """The loop's parameters, from the run, algorithm, scheduler and faults sections."""
+    """The loop's parameters, derived from the run, algorithm, scheduler and faults sections
+    (`from_config`; the config holds every default)."""
 
     num_steps: int
     groups_per_step: int
     group_size: int
-    max_staleness: int = 0
-    partial_rollout: str = "finish"
-    dynamic_sampling: bool = False
-    max_groups_per_step: int = 0  # 0 = groups_per_step
+    max_staleness: int
+    partial_rollout: PartialRollout
+    dynamic_sampling: bool
+    max_groups_per_step: int  # groups started for one step, its redraws included
     # Colocated on-policy on GPUs: the rollout engines free their memory while training.
-    release_memory: bool = False
+    release_memory: bool
     # Rollout workers lost in a run (generating or receiving weights) before it fails.
-    max_rollout_restarts: int = 3
+    max_rollout_restarts: int
 
     @classmethod
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from rl.data import loading as data
 from rl.config import Config, DataConfig
+from rl.data import loading as data
 from rl.data.loading import (
     PromptStream,
     filter_long_prompts,
