@@ -35,7 +35,16 @@ class GenerationLoop:
         """Start every batch of samples (fresh or partial) at once; `poll` hands each back
         under its key. Many batches in one call fill the engine's first step; added one by
         one as calls trickle in, they cost extra half-empty steps."""
-        calls = self._start(list(batches.values()), params)
+        try:
+            calls = self._start(list(batches.values()), params)
+        except Exception as exc:
+            # The driver starts batches without waiting (its poll waits instead), so nothing
+            # would ever report this: the engine's state is unknown, everything in flight
+            # fails with it, and the waiting poll raises it.
+            self._fail(exc)
+            self._failure = exc
+            self._has_finished.set()
+            return
         for key, call in zip(batches, calls, strict=True):
             call.done.add_done_callback(lambda done, key=key: self._finish(key, done))
 

@@ -21,6 +21,10 @@ from rl.types import Sample, SamplingParams, fresh_samples
 from rollout.worker import RolloutWorker
 
 
+class RolloutFailed(RuntimeError):
+    """A rollout engine raised: the run cannot go on with it."""
+
+
 class RolloutReplicas:
     def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
         tp = cfg.rollout.tensor_parallel_size
@@ -152,11 +156,15 @@ class RolloutReplicas:
 
 def _relay(polled: Future, future: Future, index: int) -> None:
     """On Ray's thread: hand a poll's outcome on, a dead actor as WorkerLost (the scheduler
-    knows no Ray types). An engine that failed raises its own error: that is no lost worker."""
+    knows no Ray types). An engine that failed is no lost worker: the run fails with an error
+    naming the worker and the engine's own exception."""
     error = polled.exception()
     if isinstance(error, RayActorError):
         future.set_exception(WorkerLost(index, type(error).__name__))
     elif error is not None:
-        future.set_exception(error)
+        cause = getattr(error, "cause", None) or error  # a RayTaskError wraps the engine's
+        failed = RolloutFailed(f"rollout worker {index} failed: {type(cause).__name__}: {cause}")
+        failed.__cause__ = error
+        future.set_exception(failed)
     else:
         future.set_result(polled.result())

@@ -83,6 +83,15 @@ def _check_rollout(cfg: Config, path: Path | str) -> None:
     from rollout.engines.registry import ENGINES
 
     rollout = cfg.rollout
+    if rollout.top_p != 1.0:
+        # The engines record each token's log-prob renormalised over the nucleus (vLLM's
+        # processed log-probs), the trainer the full softmax's: every ratio and importance
+        # weight would be off by the nucleus mass.
+        raise ConfigError(
+            f"{path}: rollout.top_p={rollout.top_p}: training samples from the full softmax "
+            "(top_p=1), since the trainer's log-probs and the engines' behaviour log-probs "
+            "only agree there; set rollout.top_p=1 (docs/algorithms.md)"
+        )
     traits = ENGINES.traits(rollout.engine)
     if not traits.tensor_parallel and rollout.tensor_parallel_size != 1:
         raise ConfigError(

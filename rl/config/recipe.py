@@ -201,11 +201,38 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             f"{path}: model.path={cfg.model.path!r} has no config.json; it must be a Hugging Face "
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
+    _check_tokenizer(model_dir, f"{path}: model.path={cfg.model.path!r}")
     if cfg.model.frozen:
         try:
             cfg.model.frozen_names(_checkpoint_tensor_names(model_dir))
         except ValueError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+
+# The files a Hugging Face tokenizer is made from: any one of these sets.
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def _check_tokenizer(model_dir: Path, where: str) -> None:
+    """The model directory's tokenizer loads (no remote code) and can pad a batch
+    (`rl.data.prompts.padding_id`)."""
+    from transformers import AutoTokenizer
+
+    from rl.data.prompts import padding_id
+
+    needs = "tokenizer files (tokenizer.json, or tokenizer.model, or vocab.json and merges.txt)"
+    # transformers builds an empty tokenizer of the config's type when the files are missing.
+    if not any(all((model_dir / f).is_file() for f in files) for files in _TOKENIZER_FILES):
+        raise ConfigError(f"{where} has no tokenizer: the directory needs its {needs}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where}: its tokenizer does not load ({first_line})") from None
+    try:
+        padding_id(tokenizer)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _checkpoint_tensor_names(model_dir: Path) -> list[str]:

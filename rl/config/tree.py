@@ -273,7 +273,11 @@ class RolloutConfig(Section):
     temperature: float = Field(
         1.0, description="Sampling temperature (also used for trainer log-probs)."
     )
-    top_p: float = Field(1.0, description="Nucleus sampling threshold.")
+    top_p: float = Field(
+        1.0,
+        description="Nucleus sampling threshold; training needs 1 (the trainer's log-probs are "
+        "of the full softmax, docs/algorithms.md).",
+    )
     weight_transport: Literal["auto", "shared_memory", "distributed"] = Field(
         "auto",
         description="Weight-sync transport: shared memory on one node, a gloo group between "

@@ -10,6 +10,21 @@ logger = logging.getLogger(__name__)
 _warned_no_template: set[str] = set()
 
 
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id a training batch pads with: the tokenizer's pad token, else its EOS token.
+
+    Many tokenizers (Llama-3, Mistral) define no pad token. Padding positions are masked out
+    of attention and of the loss, so any id the model embeds will do; EOS is one it has.
+    """
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    raise ValueError(
+        f"tokenizer {tokenizer.name_or_path or type(tokenizer).__name__} has neither a pad nor "
+        "an EOS token: give it one of them (tokenizer_config.json)"
+    )
+
+
 # Prompts per tokenizer call: batches are several times faster than one call per prompt.
 _ENCODE_BATCH = 4096
 

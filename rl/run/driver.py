@@ -37,7 +37,7 @@ from rl.data.loading import (
     prompt_lengths,
     prompt_token_limit,
 )
-from rl.data.prompts import encode_prompt
+from rl.data.prompts import encode_prompt, padding_id
 from rl.data.tasks import get_task
 from rl.observe.metrics import MetricsLogger
 from rl.observe.trace import Trace
@@ -162,7 +162,7 @@ def _run(
             ),
         )
         closers.append(scorer.close)
-        trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, tokenizer.pad_token_id)
+        trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, padding_id(tokenizer))
         closers.append(trainer_side.close)
         checkpoints = RunCheckpoints(cfg, run_dir, trainers, critic)
         state = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -59,3 +60,15 @@ def build_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, **sizes: 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return save_hf_atomic(model, tokenizer, path)
+
+
+def remove_pad_token(model_dir: Path) -> None:
+    """Make `model_dir` look like a Llama-3 or Mistral checkpoint: no pad token anywhere."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        data.pop("pad_token", None)
+        data.pop("pad_token_id", None)
+        path.write_text(json.dumps(data, indent=2))

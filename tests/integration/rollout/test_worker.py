@@ -158,3 +158,19 @@ def test_score_matches_transformers_logprobs_from_any_start(
     generator = torch.Generator().manual_seed(1)
     sequences = torch.randint(4, 250, (4, 24), generator=generator).tolist()
     assert _score_gap(rollouts[kind], sequences, starts=[1, 5, 12, 23]) < 1e-4
+
+
+def test_a_start_the_engine_refuses_fails_the_workers_poll_within_seconds(
+    rollouts: dict[str, Rollout],
+) -> None:
+    """`start` is fire and forget: the engine's error reaches the driver through the poll it
+    has outstanding, instead of leaving that poll waiting for batches that never finish."""
+    worker = rollouts["untied"].worker
+    polled = worker.poll.remote()
+    too_long = [[5] * (CFG.max_model_len + 1)]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=0)
+    worker.start.remote({7: fresh_samples(too_long, 1, [7])}, params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        ray.get(polled, timeout=30)
+    # The worker serves new work afterwards.
+    assert len(ray.get(worker.generate.remote(fresh_samples(PROMPTS, 1, [0, 1, 2]), params))) == 3

@@ -104,3 +104,20 @@ def test_a_failed_engine_step_reaches_every_waiting_caller() -> None:
         assert len(await loop.generate(_batch(0), PARAMS)) == 2
 
     asyncio.run(run())
+
+
+class _RefusingEngine(FakeEngine):
+    def start(self, samples: list[Sample], params: SamplingParams) -> None:
+        raise ValueError("prompt too long")
+
+
+def test_a_start_that_fails_reaches_the_waiting_poll_instead_of_hanging_it() -> None:
+    async def run() -> None:
+        loop = GenerationLoop(_RefusingEngine())
+        polled = asyncio.ensure_future(loop.poll())  # the driver's outstanding poll
+        await asyncio.sleep(0)
+        loop.start({1: _batch(0)}, PARAMS)  # fire and forget, as the driver calls it
+        with pytest.raises(ValueError, match="prompt too long"):
+            await asyncio.wait_for(polled, timeout=5)
+
+    asyncio.run(run())

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from rl.checkpoint.export import export_checkpoint
 from rl.config import Config
 from rl.run.driver import RunAborted, train
+from tests.helpers.models import build_checkpoint, remove_pad_token
 from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.integration
@@ -184,6 +185,29 @@ def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
     assert any(0 < r["reward/mean"] < 1 for r in records[1:]), "no reward signal to learn from"
     assert final["rollout/version"] == 2
     assert final["weight_sync/mb_per_rollout_rank"] == final["weight_sync/mb_full_model"] > 0
+
+
+def test_a_model_whose_tokenizer_has_no_pad_token_trains_with_eos_padding(
+    tmp_path: Path,
+) -> None:
+    """A Llama-3/Mistral-style checkpoint: no pad token in its tokenizer or config. The
+    driver pads its batches with EOS, so the first train call after generation goes through."""
+    model_dir = build_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=False)
+    remove_pad_token(model_dir)
+    cfg = _config(
+        tmp_path,
+        tmp_path,
+        "no-pad",
+        model={"path": str(model_dir)},
+        base={"build_if_missing": False},
+        rollout={"engine": "torch"},
+        trainer={"num_workers": 1, "sharding": "none"},
+        run={"num_steps": 1, "eval_every": 0},
+    )
+    final, records = _run(cfg)
+    assert [r["step"] for r in records] == [0, 1]
+    assert math.isfinite(records[1]["actor/pg_loss"])
+    assert final["rollout/version"] == 1
 
 
 def test_an_fp16_run_generates_and_trains_in_half_precision_with_a_loss_scale(

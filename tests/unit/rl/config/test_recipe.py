@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
-from rl.config.recipe import ConfigError, load_config
+from rl.config import Config
+from rl.config.recipe import ConfigError, check_inputs, load_config
+from rl.data.prompts import padding_id
+from tests.helpers.models import build_checkpoint, build_tiny_checkpoint, remove_pad_token
 from tests.helpers.repo import REPO, shipped_recipes
 
 
@@ -75,3 +80,39 @@ def test_skipping_zero_advantage_rows_is_refused_when_those_rows_have_a_kl_gradi
         load_config(recipe, [skip, "algorithm.kl_coef=0.1"])
     with pytest.raises(ConfigError, match=r"algorithm.entropy_coef=0.01"):
         load_config(recipe, [skip, "algorithm.entropy_coef=0.01"])
+
+
+def test_nucleus_sampling_is_refused_because_the_trainer_scores_the_full_softmax() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    assert load_config(recipe, ["rollout.top_p=1.0"]).rollout.top_p == 1.0
+    with pytest.raises(ConfigError, match=r"grpo_addition_cpu.yaml: rollout.top_p=0.9: .*top_p=1"):
+        load_config(recipe, ["rollout.top_p=0.9"])
+
+
+def _model_dir_config(model_dir: Path) -> Config:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    return load_config(recipe, [f"model.path={model_dir}", "base.build_if_missing=false"])
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_tiny_checkpoint(tmp_path / "model", tie_word_embeddings=False)
+    check_inputs(_model_dir_config(model_dir), "recipe.yaml")  # whole: accepted
+    for name in os.listdir(model_dir):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (model_dir / name).unlink()
+    with pytest.raises(
+        ConfigError, match=r"recipe.yaml: model.path=.* has no tokenizer: .*tokenizer.json"
+    ):
+        check_inputs(_model_dir_config(model_dir), "recipe.yaml")
+
+
+def test_a_tokenizer_without_a_pad_token_is_accepted_and_pads_with_eos(tmp_path: Path) -> None:
+    # Llama's tokenizer class has no default pad token (Qwen2's falls back to <|endoftext|>).
+    model_dir = build_checkpoint(tmp_path / "model", "llama", tie_word_embeddings=False)
+    remove_pad_token(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None
+    check_inputs(_model_dir_config(model_dir), "recipe.yaml")
+    assert padding_id(tokenizer) == tokenizer.eos_token_id
