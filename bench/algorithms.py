@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from scratch import clear_run
+
 from rl.config.recipe import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,7 @@ def main(argv: list[str]) -> None:
     rows = []
     for label, recipe in RECIPES:
         cfg = load_config(recipe, overrides)
+        clear_run(cfg)
         start = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "rl.cli", "train", recipe, *overrides],

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from scratch import clear_run
+
 from rl.config.recipe import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,8 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str]) -> None:
     recipe = argv[0] if argv and "=" not in argv[0] else "recipes/grpo_addition_cpu.yaml"
-    overrides = argv[1:] if argv and argv[0] == recipe else argv
+    # Its own run directory: the user's demo run stays as it is.
+    overrides = ["run.name=bench-demo", *(argv[1:] if argv and argv[0] == recipe else argv)]
     cfg = load_config(recipe, overrides)
+    clear_run(cfg)
     base_existed = Path(cfg.model.path).exists()
     start = time.perf_counter()
     subprocess.run(

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from render_trace import main as render_trace
+from scratch import clear_run
 
 from rl.config.recipe import load_config
 from rl.observe.trace import load_chrome
@@ -35,6 +36,7 @@ def run(name: str, overrides: list[str]) -> tuple[list[dict], Path, float]:
     args = [*overrides, f"run.name={name}", "run.wandb_mode=disabled"]
     args.append("run.export_hf=false")
     cfg = load_config(REPO / RECIPE, args)
+    clear_run(cfg)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "rl.cli", "train", RECIPE, *args], cwd=REPO, check=True)
     wall_s = time.perf_counter() - start
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> None:
     for placement in args.placements:
         for seed in args.seeds:
             for k in args.ks:
-                name = f"overlap-{placement}-k{k}-s{seed}"
+                name = f"bench-overlap-{placement}-k{k}-s{seed}"
                 extra = [
                     f"run.num_steps={args.steps}",
                     f"run.seed={seed}",

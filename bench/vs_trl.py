@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 from docs_section import write_section
+from scratch import clear_run
 
 from rl.config.recipe import load_config
 from rl.data.loading import prepare_splits
@@ -102,9 +103,9 @@ def run_measured(
     return "".join(out_lines), time.perf_counter() - start, peak
 
 
-def tandem_records(recipe: str, overrides: list[str]) -> Path:
-    cfg = load_config(recipe, overrides)
-    return Path(cfg.run.output_dir) / cfg.run.name / "metrics.jsonl"
+def fresh_tandem_records(recipe: str, overrides: list[str]) -> Path:
+    """The metrics.jsonl the run will write, its directory cleared of an earlier run's."""
+    return clear_run(load_config(recipe, overrides)) / "metrics.jsonl"
 
 
 def read_records(path: Path) -> list[dict]:
@@ -147,8 +148,7 @@ class NewRecords:
 
 
 def run_tandem(recipe: str, overrides: list[str], stop_when_accuracy: float | None = None):
-    metrics = tandem_records(recipe, overrides)
-    metrics.unlink(missing_ok=True)  # an earlier run's records would stop this one at once
+    metrics = fresh_tandem_records(recipe, overrides)
     stop = None
     if stop_when_accuracy is not None:
         new_records = NewRecords(metrics)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def _demo_sync_fraction(num_steps: int) -> dict:
         f"run.name={run_name}",
         f"run.output_dir={REPO / 'runs'}",
     ]
+    shutil.rmtree(REPO / "runs" / run_name, ignore_errors=True)  # the benchmark's own run
     subprocess.run(command, cwd=REPO, check=True, capture_output=True)
     metrics_file = REPO / "runs" / run_name / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]

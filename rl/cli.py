@@ -13,6 +13,7 @@ from rl.checkpoint.resume import find_resume_point
 from rl.checkpoint.store import CheckpointError
 from rl.cluster.memory_plan import PlanDoesNotFit
 from rl.config.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
+from rl.run.directory import fresh_run_config
 from rollout.engines.registry import ENGINES
 
 
@@ -118,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train" and not dry_run:
             check_inputs(cfg, args.recipe)
             resume_from = find_resume_point(cfg, resume)
+            fresh = fresh_run_config(cfg, resuming=resume is not None)
+            if fresh.run.name != cfg.run.name:
+                print(
+                    f"{cfg.run.directory()} holds an earlier run, left as it is: this run writes "
+                    f"{fresh.run.directory()} (continue the earlier one with --resume auto)",
+                    flush=True,
+                )
+            cfg = fresh
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -136,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"base checkpoint written to {build_base(cfg)}")
         return 0
+    from rl.run.directory import RunInUse
     from rl.run.driver import RunAborted, train
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.reservation.init_ray joins
     try:
         train(cfg, resume_from)
-    except RunAborted as exc:
+    except (RunAborted, RunInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -42,6 +42,7 @@ from rl.data.tasks import get_task
 from rl.observe.metrics import MetricsLogger
 from rl.observe.trace import Trace
 from rl.rewards import RewardScorer
+from rl.run.directory import RunLock
 from rl.run.evaluation import evaluate
 from rl.run.experience import StreamingScorer, TrainerSide
 from rl.run.preemption import StopRequest
@@ -64,10 +65,9 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = _Data.of(cfg, examples, tokenizer, limit)
     run_dir = cfg.run.directory()
-    run_dir.mkdir(parents=True, exist_ok=True)
     stop = StopRequest()
     num_restarts = 0
-    with stop.installed():
+    with RunLock(run_dir), stop.installed():
         connected = init_ray(cfg.run.verbose)
         stop.install()
         # Ray is shut down inside the block: left to its atexit hook it would run after our
