@@ -120,7 +120,9 @@ class CheckpointConfig(Section):
     """Checkpoints that continue a run exactly (`rl train RECIPE --resume auto|PATH`)."""
 
     every: int = Field(
-        0, description="Write a checkpoint every N steps (0 = only at the end and on preemption)."
+        500,
+        description="Write a checkpoint every N steps (as Hugging Face's Trainer saves), so a "
+        "fault restart loses at most N steps; 0 = only at the end and on preemption.",
     )
     keep_last: int = Field(2, description="Checkpoints kept in run_dir/checkpoints (>= 1).")
     save_final: bool = Field(True, description="Write a checkpoint after the last step.")

@@ -15,24 +15,29 @@ from rl.observe.trackers import open_trackers
 
 class MetricsLogger:
     def __init__(self, cfg: Config, run_dir: Path, resume_step: int | None = None) -> None:
-        """A fresh run starts a new metrics.jsonl (appending would mix two runs under one
-        name); a run resumed at `resume_step` keeps the records up to that step and drops
-        the later ones, which the interrupted run logged after its checkpoint."""
+        """A fresh run starts a new metrics.jsonl (its directory is its own: rl.run.directory).
+        A run continued after step `resume_step` (a resume, or a fault restart: -1 when it
+        starts over) keeps the records up to that step, so the file reads as the run's one
+        timeline, and appends the later ones, which the interrupted attempt logged after its
+        checkpoint, to metrics.replaced.jsonl: nothing logged is lost."""
         self.path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line)["step"] <= resume_step
-            ]
+            lines = [line for line in self.path.read_text().splitlines(keepends=True) if line]
+            kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+            replaced = [line for line in lines if json.loads(line)["step"] > resume_step]
+            if replaced:
+                with (run_dir / "metrics.replaced.jsonl").open("a") as f:
+                    f.writelines(replaced)
         self._file = self.path.open("w")
         self._file.writelines(kept)
         self._file.flush()
         if cfg.run.log_format == "json":
             self.console: JsonConsole | ProgressConsole = JsonConsole()
         else:
-            self.console = ProgressConsole(cfg.run.name, cfg.run.num_steps, resume_step or 0)
+            self.console = ProgressConsole(
+                cfg.run.name, cfg.run.num_steps, max(resume_step or 0, 0)
+            )
         self._trackers = open_trackers(cfg, run_dir, resume_step)
         for tracker in self._trackers:
             self.console.message(tracker.where())

@@ -75,7 +75,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
         try:
             while True:
                 try:
-                    return _run(cfg, run_dir, data, tokenizer, resume_from, stop)
+                    return _run(cfg, run_dir, data, tokenizer, resume_from, stop, num_restarts)
                 except ray.exceptions.RayActorError as e:
                     num_restarts += 1
                     if num_restarts > cfg.faults.max_trainer_restarts:
@@ -130,6 +130,7 @@ def _run(
     tokenizer: PreTrainedTokenizerBase,
     resume_from: Path | None,
     stop: StopRequest,
+    num_restarts: int,
 ) -> dict:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     task = get_task(cfg.data.task)
@@ -171,7 +172,10 @@ def _run(
             prompts_stream.load_state_dict(state.prompt_stream)
             trainer_side.kl_controller.coef = state.kl_coef
             weight_sync.push(state.step)
-        logger = MetricsLogger(cfg, run_dir, resume_step=state.step if state else None)
+        # A fault restart continues the run's logs (its metrics file and tracker runs) after
+        # the checkpoint it restored, or from the start (-1) without one.
+        resume_step = state.step if state else (-1 if num_restarts else None)
+        logger = MetricsLogger(cfg, run_dir, resume_step=resume_step)
         closers.append(logger.close)
         trace = Trace(plan.trace_lanes(), on_phases=logger.show_phases)
         loop = _Loop(cfg, rollout, tokenizer, task, test_examples, prompts_stream, trace, logger)

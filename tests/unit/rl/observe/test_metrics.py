@@ -105,6 +105,34 @@ def test_resumed_tensorboard_log_hides_steps_after_the_checkpoint(tmp_path: Path
     assert {step: v["reward/mean"] for step, v in scalars.items()} == {1: 1.0, 2: 20.0}
 
 
+def _steps(path: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["reward/mean"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.parametrize(
+    ("resume_step", "kept", "replaced"),
+    [
+        (1, [(0, 0.0), (1, 1.0)], [(2, 2.0), (3, 3.0)]),
+        (-1, [], [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]),
+    ],
+)
+def test_a_continued_run_keeps_its_timeline_and_sets_the_replaced_records_aside(
+    tmp_path: Path, resume_step: int, kept: list, replaced: list
+) -> None:
+    """A resume after step 1, or a fault restart from the start (-1): metrics.jsonl reads as
+    one timeline, and what the interrupted attempt logged past it is kept beside it."""
+    cfg = _config(tmp_path, log_format="json")
+    first = MetricsLogger(cfg, tmp_path)
+    for step in (0, 1, 2, 3):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+    continued = MetricsLogger(cfg, tmp_path, resume_step=resume_step)
+    continued.log(resume_step + 1, {"reward/mean": 10.0})
+    continued.close()
+    assert _steps(tmp_path / "metrics.jsonl") == [*kept, (resume_step + 1, 10.0)]
+    assert _steps(tmp_path / "metrics.replaced.jsonl") == replaced
+
+
 _REDIRECTED = """
 import os, sys
 from rl.observe.actor_logs import redirect_output
