@@ -4,16 +4,26 @@ coefficient of a KL reward penalty."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rl.algorithms.masked import LOG_RATIO_LIMIT
-from rl.config.registry import NoTraits, Registry
+from rl.config.registry import Registry
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
-KL_ESTIMATORS: Registry[KLFn, NoTraits] = Registry("KL estimator")
+
+@dataclass(frozen=True)
+class KLTraits:
+    # The divergence whose gradient the estimator's expected gradient follows as a loss term
+    # (samples from pi, differentiated through logprobs); "" when its expected gradient is
+    # zero, so as a loss term it only adds noise.
+    loss_gradient: str = ""
+
+
+KL_ESTIMATORS: Registry[KLFn, KLTraits] = Registry("KL estimator", KLTraits)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -22,13 +32,13 @@ def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return logprobs - ref_logprobs
 
 
-@KL_ESTIMATORS.register("k2")
+@KL_ESTIMATORS.register("k2", loss_gradient="KL(pi||ref)")
 def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k2 = 0.5 (logprobs - ref_logprobs)^2, [B, T1]; biased, low variance, >= 0."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
-@KL_ESTIMATORS.register("k3")
+@KL_ESTIMATORS.register("k3", loss_gradient="KL(ref||pi)")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3 = exp(x) - 1 - x with x = ref_logprobs - logprobs, [B, T1]; unbiased and >= 0.
 

@@ -7,17 +7,26 @@ Conventions: rl/algorithms/masked.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rl.algorithms.masked import LOG_RATIO_LIMIT, clamped_exp
 from rl.config import AlgorithmConfig
-from rl.config.registry import NoTraits, Registry
+from rl.config.registry import Registry
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple[Tensor, Tensor]]
 
-POLICY_LOSSES: Registry[PolicyLossFn, NoTraits] = Registry("policy loss")
+
+@dataclass(frozen=True)
+class PolicyLossTraits:
+    # The loss aggregation its objective is defined with ("" = any): GSPO's is the mean over
+    # sequences of each sequence's token mean.
+    aggregation: str = ""
+
+
+POLICY_LOSSES: Registry[PolicyLossFn, PolicyLossTraits] = Registry("policy loss", PolicyLossTraits)
 
 
 def _clip(ratio: Tensor, advantages: Tensor, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
@@ -48,7 +57,7 @@ def clipped_surrogate(
     return loss * mask, active.float() * mask
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", aggregation="seq-mean-token-mean")
 def gspo_surrogate(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, Tensor]:

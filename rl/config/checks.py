@@ -153,6 +153,35 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
             f"{path}: algorithm.advantage={algo.advantage} needs algorithm.group_size >= 2 "
             "(its baseline is the other responses to the same prompt)"
         )
+    if (
+        algo.kl_coef > 0
+        and algo.kl_in_reward
+        and not ADVANTAGES.traits(algo.advantage).kl_in_reward
+    ):
+        raise ConfigError(
+            f"{path}: algorithm.advantage={algo.advantage} normalises scores within each group, "
+            "so a KL penalty in the reward would be amplified to the size of the score signal "
+            "and an all-correct group would no longer get advantage 0: put the KL in the loss "
+            "(algorithm.kl_in_reward=false, as DeepSeekMath's GRPO) or use advantage "
+            "reinforce_pp_baseline"
+        )
+    from rl.algorithms.kl import KL_ESTIMATORS
+    from rl.algorithms.policy_losses import POLICY_LOSSES
+
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+        if not KL_ESTIMATORS.traits(algo.kl_estimator).loss_gradient:
+            valid = KL_ESTIMATORS.names(lambda t: bool(t.loss_gradient))
+            raise ConfigError(
+                f"{path}: algorithm.kl_estimator={algo.kl_estimator} as a loss term has a "
+                "gradient of zero mean (it only adds noise); use one of "
+                f"{', '.join(valid)} (docs/algorithms.md), or algorithm.kl_in_reward=true"
+            )
+    required = POLICY_LOSSES.traits(algo.policy_loss).aggregation
+    if required and algo.loss_agg != required:
+        raise ConfigError(
+            f"{path}: algorithm.policy_loss={algo.policy_loss} is defined with the "
+            f"{required} aggregation; set algorithm.loss_agg={required} (got {algo.loss_agg})"
+        )
     if algo.dual_clip and algo.dual_clip <= 1:
         raise ConfigError(
             f"{path}: algorithm.dual_clip must be 0 (off) or > 1, got {algo.dual_clip}"

@@ -129,14 +129,16 @@ def prepare_batch(
         gap = (batch.old_logprobs - batch.behaviour_logprobs).abs() * mask
         metrics["off_policy/max_abs_logprob_gap"] = gap.max().item()
     rewards = at_last_token(torch.tensor(scores), mask)
+    kl_penalty = None
     if algo.kl_coef > 0 and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_logprobs, batch.ref_logprobs) * mask
-        rewards = rewards - kl_controller.coef * kl
+        kl_penalty = -kl_controller.coef * kl
         sequence_kl = kl.sum(dim=1).mean().item()
         metrics.update({"kl/reward_penalty": sequence_kl, "kl/coef": kl_controller.coef})
         kl_controller.update(sequence_kl, batch.num_sequences)
+    # The estimator adds the KL penalty to the task scores after any group baseline.
     batch.advantages, batch.returns = ADVANTAGES.get(algo.advantage)(
-        rewards, mask, algo, batch.old_values
+        rewards, mask, algo, batch.old_values, kl_penalty
     )
     metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
 

@@ -153,3 +153,24 @@ def test_scores_land_on_each_rows_last_response_token() -> None:
     placed = at_last_token(torch.tensor([2.0, -1.0, 5.0]), mask)
     # The third row has no response: its score lands nowhere.
     assert placed.tolist() == [[0, 0, 0, 2], [0, 0, -1, 0], [0, 0, 0, 0]]
+
+
+def test_reinforce_pp_baseline_centres_the_scores_before_adding_the_kl_penalty() -> None:
+    # Two groups of two, equal scores; only the first group's responses drifted from the
+    # reference (penalty -0.1 a token). OpenRLHF's order: the baseline centres the scores
+    # (to 0 here), then the penalty is added, so G = [-0.2, -0.1] in the first group and 0 in
+    # the second (gamma 1). Centring after the penalty would cancel the shared drift.
+    cfg = AlgorithmConfig(group_size=2, gamma=1.0)
+    mask = torch.ones(4, 2)
+    scores = at_last_token(torch.ones(4), mask)
+    penalty = t([[-0.1, -0.1], [-0.1, -0.1], [0.0, 0.0], [0.0, 0.0]])
+    _, returns = ADVANTAGES.get("reinforce_pp_baseline")(scores, mask, cfg, None, penalty)
+    assert close(returns, [[-0.2, -0.1], [-0.2, -0.1], [0.0, 0.0], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_group_normalised_estimators_take_no_kl_penalty_in_the_reward(name: str) -> None:
+    assert not ADVANTAGES.traits(name).kl_in_reward
+    mask = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="put the KL in the loss"):
+        ADVANTAGES.get(name)(mask, mask, AlgorithmConfig(group_size=2), None, -0.1 * mask)

@@ -116,3 +116,33 @@ def test_a_tokenizer_without_a_pad_token_is_accepted_and_pads_with_eos(tmp_path:
     assert tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None
     check_inputs(_model_dir_config(model_dir), "recipe.yaml")
     assert padding_id(tokenizer) == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"], "put the KL in the loss"),
+        (["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1"], "gradient of zero mean"),
+        (["algorithm.policy_loss=gspo"], "set algorithm.loss_agg=seq-mean-token-mean"),
+    ],
+)
+def test_algorithm_combinations_that_change_the_objective_are_refused(
+    overrides: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+
+
+def test_the_same_algorithms_compose_where_their_definitions_hold() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    load_config(recipe, ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k2"])  # k2 in the loss
+    load_config(recipe, ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"])
+    load_config(
+        recipe,
+        [
+            "algorithm.advantage=reinforce_pp_baseline",
+            "algorithm.kl_coef=0.1",
+            "algorithm.kl_in_reward=true",
+            "algorithm.kl_estimator=k1",
+        ],
+    )

@@ -92,7 +92,11 @@ def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
 
 def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     cfg = _config(
-        kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", kl_target=0.01, advantage="rloo"
+        kl_coef=0.1,
+        kl_in_reward=True,
+        kl_estimator="k1",
+        kl_target=0.01,
+        advantage="reinforce_pp_baseline",
     )
     trainers = _Trainers(shift=0.5)
     samples = annotate_samples(cfg, _samples(), 0, trainers, None)
@@ -102,7 +106,7 @@ def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     # k1 = old - ref per token: old is behaviour (-0.5), ref is behaviour + 1.0.
     assert metrics["kl/reward_penalty"] == pytest.approx((2 * -1.0 + 1 * -1.0) / 2)
     assert metrics["kl/coef"] == 0.1 and controller.coef != 0.1
-    # Equal scores, but the longer response pays more KL: rloo now separates them.
+    # Equal scores, but the longer response pays more KL: the baseline no longer hides it.
     assert batch.advantages[0, 2].item() != 0.0
 
 
