@@ -151,7 +151,8 @@ class RewardScorer:
         Metrics: `reward/<label>_mean` per term (unweighted), `reward/<label>_accuracy` per
         function term (the fraction of samples scored above 0), and `reward/errors` and
         `reward/timeouts`, the function calls of this batch that raised or ran out of time and
-        scored 0 (with reward.on_error="fail" the first one raises RuntimeError instead). With
+        scored 0 (errors also count the samples whose summed reward was not finite, e.g. a
+        reward model's NaN or a weighted sum that overflowed; they score 0) (with reward.on_error="fail" the first one raises RuntimeError instead). With
         reward models, `reward/model_actor_errors`: how many times their actors died during
         this batch and were replaced (the scores are still complete; one call's deaths past
         `retries` raise RuntimeError instead). Like the other counts, a step sums it.
@@ -191,6 +192,20 @@ class RewardScorer:
             scores[model.index] = torch.tensor(values, dtype=torch.float64)
             actor_errors += deaths
         rewards = (self._weights @ scores).float()
+        # Each term's score is finite, but a weighted sum can overflow (float32 tops out near
+        # 3.4e38) and a reward model can return NaN: such a reward would poison every
+        # advantage of its group, so it is a failed reward like any other.
+        for sample in (~torch.isfinite(rewards)).nonzero().flatten().tolist():
+            terms = ", ".join(
+                f"{label}={scores[i, sample].item():.6g}" for i, label in enumerate(self.labels)
+            )
+            if self.cfg.on_error == "fail":
+                raise RuntimeError(
+                    f"the reward of sample {sample} is {rewards[sample].item()} ({terms}, "
+                    "weighted by reward.terms' weights)"
+                )
+            rewards[sample] = 0.0
+            counts["error"] += 1
         means = scores.mean(dim=1).tolist() if n else [0.0] * len(self.labels)
         metrics = {f"reward/{label}_mean": m for label, m in zip(self.labels, means, strict=True)}
         metrics.update(self._accuracies(scores))

@@ -25,6 +25,10 @@ def length(response, example):
     return len(response) / 10
 
 
+def huge(response, example):
+    return 1e30
+
+
 def flaky(response, example):
     mode = example.get("mode", "ok")
     if mode == "raise":
@@ -161,3 +165,21 @@ def test_bad_terms_fail_in_the_constructor(rewards_file: Path) -> None:
     with pytest.raises(ValueError, match="has no function 'missing'"):
         RewardScorer(cfg, get_task("addition"))
     assert _worker_pids() == others
+
+
+@pytest.mark.parametrize("on_error", ["zero", "fail"])
+def test_a_weighted_sum_that_overflows_is_a_failed_reward_not_an_inf(
+    rewards_file: Path, on_error: str
+) -> None:
+    # 1e30 is finite, but weighted by 1e10 the float32 reward would be inf.
+    terms = _terms((f"{rewards_file}:huge", 1e10), ("task", 1.0))
+    cfg = RewardConfig(terms=terms, on_error=on_error, num_processes=1)
+    examples = [{"prompt": "1+1", "answer": "02"}] * 2
+    with RewardScorer(cfg, get_task("addition")) as scorer:
+        if on_error == "fail":
+            with pytest.raises(RuntimeError, match=r"reward of sample 0 is inf \(huge=1e\+30"):
+                scorer.score(["1+1"] * 2, ["02", "03"], examples)
+            return
+        rewards, metrics = scorer.score(["1+1"] * 2, ["02", "03"], examples)
+    assert rewards.tolist() == [0.0, 0.0]
+    assert metrics["reward/errors"] == 2
