@@ -488,6 +488,17 @@ class RewardConfig(Section):
         description="A reward function that raises or times out: score 0 and count it, or fail.",
     )
     num_processes: int = Field(2, description="Worker processes evaluating reward functions.")
+    memory_mb: int = Field(
+        4096,
+        description="Address-space limit of each reward worker process, MiB (0 = none): a "
+        "function that allocates past it fails instead of starving the run.",
+    )
+    inherit_env: list[str] = Field(
+        [],
+        description="Environment variables reward workers inherit from the driver besides "
+        "PATH, HOME, the locale, TMPDIR and PYTHONPATH (credentials are not passed unless "
+        "listed here).",
+    )
     model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
 
 

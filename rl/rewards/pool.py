@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Literal
 
 import rl
+from rl.config import RewardConfig
 from rl.rewards.terms import FunctionTerm
 
 # (term index, response, example)
@@ -32,6 +35,9 @@ Item = tuple[int, str, dict]
 MAX_CHUNK = 64  # items per message; chunks shrink as the queue drains, to balance the workers
 STARTUP_TIMEOUT_S = 120.0  # a worker imports the terms' modules (sympy for `math`) at start
 _REPO_ROOT = str(Path(rl.__file__).resolve().parent.parent)
+# What a worker inherits of the driver's environment unless reward.inherit_env adds more: the
+# interpreter and libraries still work, and the driver's credentials (tokens, keys) stay out.
+_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 
 
 @dataclass(frozen=True)
@@ -54,14 +60,22 @@ class _Worker:
 
 
 class FunctionPool:
-    """`num_processes` workers scoring `Item`s against `terms`, each item within `timeout_s`."""
+    """`cfg.num_processes` workers scoring `Item`s against `terms`, each item within
+    `cfg.timeout_s`. Each worker runs with a clean environment (`_BASE_ENV` and
+    `cfg.inherit_env`), an address-space limit of `cfg.memory_mb`, and its stdout and stderr
+    appended to `log_file` (None: the driver's stderr), never the driver's stdout."""
 
-    def __init__(self, terms: list[FunctionTerm], num_processes: int, timeout_s: float) -> None:
-        if num_processes < 1:
-            raise ValueError(f"reward.num_processes must be >= 1, got {num_processes}")
+    def __init__(
+        self, terms: list[FunctionTerm], cfg: RewardConfig, log_file: str | None = None
+    ) -> None:
+        if cfg.num_processes < 1:
+            raise ValueError(f"reward.num_processes must be >= 1, got {cfg.num_processes}")
         self._terms = terms
-        self._timeout_s = timeout_s
-        self._workers = [self._start() for _ in range(num_processes)]
+        self._timeout_s = cfg.timeout_s
+        self._memory_mb = cfg.memory_mb
+        self._env = _worker_env(cfg.inherit_env)
+        self._log_file = log_file
+        self._workers = [self._start() for _ in range(cfg.num_processes)]
         # Wait here, so that a broken term fails before any training work starts.
         try:
             while not all(w.ready for w in self._workers):
@@ -109,15 +123,24 @@ class FunctionPool:
 
     def _start(self) -> _Worker:
         conn, child_conn = Pipe()
-        # The workers import `rl` as the driver does, wherever the driver was started from.
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rl.rewards.pool_worker", str(child_conn.fileno())],
-            pass_fds=[child_conn.fileno()],
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
+        if self._log_file is None:
+            output = sys.stderr
+        else:
+            Path(self._log_file).parent.mkdir(parents=True, exist_ok=True)
+            output = open(self._log_file, "ab")  # noqa: SIM115: the child keeps its own copy
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "rl.rewards.pool_worker", str(child_conn.fileno())],
+                pass_fds=[child_conn.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+                env=self._env,
+                preexec_fn=partial(_limit_memory, self._memory_mb),
+            )
+        finally:
+            if output is not sys.stderr:
+                output.close()
         child_conn.close()  # only the child holds its end now, so its death reads as EOF
         conn.send(self._terms)
         kill = weakref.finalize(process, process.kill)
@@ -199,3 +222,18 @@ class FunctionPool:
             cause = f"no result within reward.timeout_s={self._timeout_s:g} s"
             results[w.outstanding.popleft()] = Failure("timeout", cause)
             self._replace(w, pending)
+
+
+def _worker_env(inherit: list[str]) -> dict[str, str]:
+    """The environment of a worker: `_BASE_ENV` and `inherit` where the driver has them; the
+    workers import `rl` as the driver does, wherever the driver was started from."""
+    env = {name: os.environ[name] for name in (*_BASE_ENV, *inherit) if name in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """In the child, before it runs Python: cap its address space (0: no cap)."""
+    if memory_mb > 0:
+        limit = memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

@@ -38,12 +38,13 @@ class _ModelTerm:
 
 class RewardScorer:
     """The weighted sum of `cfg.terms`. Builds every term in the constructor (validating names,
-    importing users' files, starting worker processes and reward-model actors), so that bad
+    starting the worker processes, which import users' files, and reward-model actors), so that bad
     input fails before any training work. `close()` stops the processes and actors.
 
     `model_options` are Ray `.options(...)` for the reward-model actors (resources, placement).
     `retries`: how often one `score` call replaces a reward-model actor that died and asks
-    again before it raises (`faults.reward_model_retries` in a run).
+    again before it raises (`faults.reward_model_retries` in a run). `log_file`: where the
+    reward workers' output goes (None: the driver's stderr).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class RewardScorer:
         model_options: dict | None = None,
         *,
         retries: int = 0,
+        log_file: str | None = None,
     ) -> None:
         check_reward_terms(cfg)
         if retries < 0:
@@ -83,7 +85,7 @@ class RewardScorer:
                     self._functions.append((index, FunctionTerm.from_name(term.name, task)))
             if self._functions:
                 terms = [term for _, term in self._functions]
-                self._pool = FunctionPool(terms, cfg.num_processes, cfg.timeout_s)
+                self._pool = FunctionPool(terms, cfg, log_file)
             self._wait_for_models()
         except BaseException:
             self.close()

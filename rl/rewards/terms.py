@@ -8,6 +8,7 @@ processes as `FunctionTerm` values and are loaded there again.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import math
@@ -73,6 +74,38 @@ def term_label(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", "_", label).strip("_") or "term"
 
 
+def check_user_function(term: str, path: str, function: str) -> None:
+    """Without running it: the Python file `path` exists, parses, and binds `function` at
+    top level. ValueError naming what is wrong. User code runs only in reward workers
+    (rl.rewards.pool), which import it with a timeout, limits and a clean environment."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(
+            f"reward term {term!r}: file {path!r} not found "
+            f"(relative paths start at the working directory {os.getcwd()})"
+        )
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"reward term {term!r}: {str(file)!r} does not parse: {e}") from None
+    if function not in _top_level_names(tree):
+        raise ValueError(f"reward term {term!r}: {str(file)!r} has no function {function!r}")
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at top level: defs, classes, assignments and imports."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
 def load_user_function(term: str, path: str, function: str) -> RewardFn:
     """`function` from the Python file `path`, imported by path; ValueError naming what is wrong."""
     file = Path(path)
@@ -132,9 +165,8 @@ class FunctionTerm:
             return cls(name, "verifier")
         if kind == "file":
             path, _, function = arg.rpartition(":")
-            term = cls(name, "file", path=os.path.abspath(path), function=function)
-            term.load()  # fail now, in the driver, rather than in every worker
-            return term
+            check_user_function(name, path, function)  # statically: it is imported by workers
+            return cls(name, "file", path=os.path.abspath(path), function=function)
         raise ValueError(f"reward term {name!r} is a reward model, not a function")
 
     def load(self) -> RewardFn:
@@ -150,8 +182,9 @@ class FunctionTerm:
 def check_reward_terms(cfg: RewardConfig) -> None:
     """Validate `cfg` without starting anything; ValueError naming the bad term or field.
 
-    User files are imported here (their functions must exist), and model paths must be
-    checkpoint directories.
+    User files are read, never imported here: they must parse and define their function at
+    top level (their code runs only in the reward workers); model paths must be checkpoint
+    directories.
     """
     if not cfg.terms:
         raise ValueError(f"reward.terms is empty; a term is {_term_forms()}")
@@ -161,7 +194,7 @@ def check_reward_terms(cfg: RewardConfig) -> None:
         kind, arg = parse_term(term.name)
         if kind == "file":
             path, _, function = arg.rpartition(":")
-            load_user_function(term.name, path, function)
+            check_user_function(term.name, path, function)
         elif kind == "model" and not (Path(arg) / "config.json").is_file():
             raise ValueError(
                 f"reward term {term.name!r}: {arg!r} is not an HF checkpoint directory "

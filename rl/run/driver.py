@@ -39,6 +39,7 @@ from rl.data.loading import (
 )
 from rl.data.prompts import encode_prompt, padding_id
 from rl.data.tasks import get_task
+from rl.observe.actor_logs import actor_log_file
 from rl.observe.metrics import MetricsLogger
 from rl.observe.trace import Trace
 from rl.rewards import RewardScorer
@@ -160,6 +161,7 @@ def _run(
                 task,
                 placement.actor_options(reward_bundle, num_roles),
                 retries=cfg.faults.reward_model_retries,
+                log_file=actor_log_file(cfg, "reward-workers"),
             ),
         )
         closers.append(scorer.close)

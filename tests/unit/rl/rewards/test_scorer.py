@@ -25,6 +25,19 @@ def length(response, example):
     return len(response) / 10
 
 
+def secret(response, example):
+    return 1.0 if "TANDEM_TEST_SECRET" in os.environ else 0.0
+
+
+def hog(response, example):
+    return float(len(bytearray(example["mb"] << 20)))
+
+
+def noisy(response, example):
+    print("NOISE from a reward function", flush=True)
+    return 1.0
+
+
 def huge(response, example):
     return 1e30
 
@@ -183,3 +196,26 @@ def test_a_weighted_sum_that_overflows_is_a_failed_reward_not_an_inf(
         rewards, metrics = scorer.score(["1+1"] * 2, ["02", "03"], examples)
     assert rewards.tolist() == [0.0, 0.0]
     assert metrics["reward/errors"] == 2
+
+
+def test_workers_get_a_clean_environment_a_memory_limit_and_their_own_output(
+    rewards_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
+) -> None:
+    monkeypatch.setenv("TANDEM_TEST_SECRET", "s3cret")  # a credential in the driver's env
+    terms = _terms((f"{rewards_file}:secret", 1.0), (f"{rewards_file}:hog", 0.0))
+    terms += _terms((f"{rewards_file}:noisy", 0.0))
+    log = tmp_path / "logs" / "reward-workers.log"
+    cfg = RewardConfig(terms=terms, memory_mb=512, num_processes=1)
+    with RewardScorer(cfg, get_task("addition"), log_file=str(log)) as scorer:
+        rewards, metrics = scorer.score(["1+1"] * 2, ["02"] * 2, [{"mb": 1}, {"mb": 1024}])
+    assert rewards.tolist() == [0.0, 0.0]  # the secret did not reach the workers
+    assert metrics["reward/hog_accuracy"] == 0.5  # 1 MiB fit, 1 GiB was refused ...
+    assert metrics["reward/errors"] == 1  # ... as an error of that sample, not an OOM kill
+    assert "NOISE" not in capfd.readouterr().out  # stdout stays the driver's (JSON lines)
+    assert "NOISE from a reward function" in log.read_text()
+    listed = cfg.model_copy(update={"inherit_env": ["TANDEM_TEST_SECRET"]})
+    with RewardScorer(listed, get_task("addition"), log_file=str(log)) as scorer:
+        assert scorer.score(["1+1"], ["02"], [{"mb": 1}])[0].tolist() == [1.0]

@@ -8,7 +8,7 @@ import pytest
 
 from rl.config import RewardConfig, RewardTermConfig
 from rl.data.tasks import get_task
-from rl.rewards import VERIFIERS, check_reward_terms
+from rl.rewards import VERIFIERS, RewardScorer, check_reward_terms
 from rl.rewards.terms import FunctionTerm, load_user_function, parse_term, term_label
 
 
@@ -101,21 +101,54 @@ def test_user_function_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert term.load()("abc", {"scale": 1}) == 3.0
 
 
-def test_user_function_errors(tmp_path: Path) -> None:
+def test_user_function_errors_found_by_reading_the_file(tmp_path: Path) -> None:
     good = tmp_path / "reward.py"
     good.write_text("THRESHOLD = 3\n\ndef fn(response, example):\n    return 1.0\n")
-    broken = tmp_path / "broken.py"
-    broken.write_text("import not_a_module_anywhere\n")
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def fn(response, example)\n    return 1.0\n")
     cases = [
         (f"{tmp_path}/missing.py:fn", r"file '.*missing\.py' not found"),
         (f"{good}:other", r"reward\.py' has no function 'other'"),
-        (f"{good}:THRESHOLD", r"'THRESHOLD' in '.*reward\.py' is not callable \(it is a int\)"),
-        (f"{broken}:fn", r"importing '.*broken\.py' failed: ModuleNotFoundError"),
+        (f"{syntax}:fn", r"syntax\.py' does not parse"),
     ]
     for name, message in cases:
         with pytest.raises(ValueError, match=message) as info:
             check_reward_terms(_cfg("task", name))
         assert f"reward term {name!r}" in str(info.value)
+    check_reward_terms(_cfg(f"{good}:fn"))
+
+
+# Each would take the driver down if the driver imported it: the check only reads it.
+HOSTILE = {
+    "exits": "import os\nos._exit(3)\ndef fn(response, example):\n    return 1.0\n",
+    "spins": "while True:\n    pass\ndef fn(response, example):\n    return 1.0\n",
+    "marks": "open(__file__ + '.ran', 'w').close()\ndef fn(response, example):\n    return 1.0\n",
+}
+
+
+def test_checking_reward_terms_never_runs_the_users_code(tmp_path: Path) -> None:
+    for name, code in HOSTILE.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(code)
+        check_reward_terms(_cfg(f"{path}:fn"))  # returns: nothing was imported
+    assert not (tmp_path / "marks.py.ran").exists()
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("import not_a_module_anywhere\ndef fn(r, e):\n    return 1.0\n", "ModuleNotFoundError"),
+        ("fn = 3\n", r"'fn' in '.*bad\.py' is not callable \(it is a int\)"),
+        ("import os\nos._exit(3)\ndef fn(r, e):\n    return 1.0\n", "exited while starting"),
+    ],
+)
+def test_a_file_that_fails_to_load_fails_in_its_worker_naming_the_cause(
+    tmp_path: Path, code: str, message: str
+) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text(code)
+    with pytest.raises(RuntimeError, match=message):
+        RewardScorer(_cfg(f"{path}:fn", num_processes=1), get_task("addition"))
 
 
 def test_model_and_field_checks(tmp_path: Path) -> None:
