@@ -3,7 +3,9 @@
 Tensors go through `torch.distributed.checkpoint` (each rank writes its own shards; a resume
 may use another number of ranks). Nothing else is pickled: the schedule and RNG states are
 JSON, and DCP's own metadata file, which it pickles, is read back by an unpickler that
-admits only DCP's metadata classes, so a tampered checkpoint cannot run code.
+admits only DCP's metadata classes. A checkpoint is refused before any shard is read when its
+metadata declares a pickled (bytes) item, which DCP's load planner would unpickle with plain
+pickle, or places a shard outside its directory, so a tampered checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -62,8 +66,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the restricted metadata unpickler (tensor files are already
-    read with torch.load(weights_only=True))."""
+    """DCP's file reader for checkpoints that may be hostile: the restricted metadata
+    unpickler, then `_check_items` (tensor files are already read with
+    torch.load(weights_only=True))."""
 
     def read_metadata(self, *args: object, **kwargs: object) -> dcp.Metadata:
         path = Path(self.path) / ".metadata"
@@ -71,9 +76,57 @@ class SafeReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
         except (pickle.UnpicklingError, EOFError, AttributeError) as e:
             raise ValueError(f"checkpoint metadata {path} is not valid DCP metadata: {e}") from e
+        if not (
+            isinstance(metadata, dcp.Metadata)
+            and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
+            and isinstance(getattr(metadata, "storage_data", None), dict)
+        ):
+            raise ValueError(
+                f"checkpoint metadata {path} is not valid DCP metadata: its table of keys or "
+                "of shard files is missing"
+            )
+        _check_items(metadata, path)
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_items(metadata: dcp.Metadata, path: Path) -> None:
+    """Refuse what `save_training_state` never writes but DCP would follow: a bytes item
+    (DCP's load planner unpickles those with weights_only=False, so one that re-declares a
+    weight runs whatever its pickle says) and a shard file outside the checkpoint."""
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise ValueError(
+                f"checkpoint metadata {path} declares {key} as {type(item).__name__}, not a "
+                "tensor; checkpoints of this trainer hold only tensors, so it was altered or "
+                "written by something else: refused"
+            )
+    root = path.parent.resolve()
+    for index, info in metadata.storage_data.items():
+        key = getattr(index, "fqn", index)
+        where = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(where, str):
+            raise ValueError(
+                f"checkpoint metadata {path} is not valid DCP metadata: the entry of {key} "
+                "names no shard file"
+            )
+        # resolve() follows `..` and symlinks, so both are caught where they lead.
+        if not (root / where).resolve().is_relative_to(root):
+            raise ValueError(
+                f"checkpoint metadata {path} places {key} in {where}, outside {root}: refused"
+            )
+
+
+def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
+    """Fill `state` (nested dicts of tensors) from the DCP checkpoint in `directory`
+    (collective unless `no_dist`); a refused checkpoint is a ValueError naming its metadata
+    file and the key, raised before any shard is read."""
+    reader = SafeReader(directory)
+    # Also checked inside dcp.load, but a refusal there reaches the caller as a
+    # CheckpointException that holds every rank's traceback.
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader, no_dist=no_dist)
 
 
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -137,7 +190,7 @@ def load_training_state(
             f"{saved.get(different[0])} there and {current.get(different[0])} here; resume with "
             "the model.path the run started from"
         )
-    dcp.load(state, storage_reader=SafeReader(directory))
+    load_shards(state, directory)
     set_model_state_dict(model, state["model"])
     param_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     set_optimizer_state_dict(

@@ -171,10 +171,9 @@ def _check_shapes(
 
 def _load_policy(model: PreTrainedModel, policy: Path, saved: dict[str, list[int]]) -> None:
     """Overwrite `model`'s tensors in place with the checkpoint's."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from trainer.checkpoint import SafeReader
+    from trainer.checkpoint import load_shards
 
     target = model.state_dict()  # views of the parameters: DCP copies into them
     _check_shapes(saved, target, policy / SHAPES, policy.parent / MODEL_FILES_DIR)
@@ -183,7 +182,7 @@ def _load_policy(model: PreTrainedModel, policy: Path, saved: dict[str, list[int
         # One process reading every shard is the intent, which DCP warns about.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
         try:
-            dcp.load(state, storage_reader=SafeReader(str(policy)), no_dist=True)
+            load_shards(state, policy, no_dist=True)
         # CheckpointException (a read failing) derives from BaseException, not Exception.
         except (ValueError, RuntimeError, CheckpointException) as e:
             raise CheckpointError(f"{policy} could not be read as a policy checkpoint: {e}") from e

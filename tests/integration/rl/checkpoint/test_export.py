@@ -1,11 +1,12 @@
 """`rl export` on a real checkpoint of a 2-rank gloo trainer: the exported HF model holds the
-trainer's own export bit for bit, generates like it in transformers and in vLLM; damaged
-checkpoints are refused with exit code 2 before anything is written."""
+trainer's own export bit for bit, generates like it in transformers and in vLLM; damaged or
+tampered checkpoints are refused with exit code 2 before anything is written."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,17 +22,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.algorithms.objective import Objective
 from rl.checkpoint.export import MODEL_FILES_DIR, copy_model_files, export_checkpoint
-from rl.checkpoint.store import CheckpointError, CheckpointWriter, checkpoint_root
+from rl.checkpoint.store import CheckpointError, CheckpointWriter, checkpoint_root, verify
 from rl.config import Config
 from rl.types import Batch
 from tests.helpers.models import build_checkpoint
 from tests.helpers.repo import REPO
+from tests.helpers.tampering import redeclare_as_pickle, relocate_shards
 from trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.integration
 
 STEP = 3
 MAX_NEW_TOKENS = 12
+EMBEDDING = "model.model.embed_tokens.weight"  # its DCP key in the policy shards
 
 
 def _free_port() -> int:
@@ -304,3 +307,37 @@ def test_a_checkpoint_of_another_model_or_a_risky_destination_is_refused(
     with pytest.raises(CheckpointError, match="not an HF model"):
         export_checkpoint(_checkpoint(runs["untied"]), tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_a_weight_redeclared_as_a_pickle_is_refused_before_it_is_unpickled(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    checkpoint = _recommitted(
+        runs["untied"],
+        tmp_path,
+        lambda step_dir: redeclare_as_pickle(step_dir / "policy", EMBEDDING, marker),
+    )
+    verify(checkpoint)  # whoever wrote the metadata wrote the manifest too
+    out_dir = tmp_path / "exported"
+    result = _export(checkpoint, out_dir)
+    assert result.returncode == 2, result.stderr
+    metadata = checkpoint / "policy" / ".metadata"
+    assert f"{metadata} declares {EMBEDDING} as BytesStorageMetadata" in result.stderr
+    assert not marker.exists()
+    assert not out_dir.exists()
+
+
+def test_a_shard_outside_the_checkpoint_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+
+    def shards_elsewhere(step_dir: Path) -> None:
+        # Real shards, which a reader that follows the path loads without complaint.
+        shutil.copytree(step_dir / "policy", outside)
+        relocate_shards(step_dir / "policy", EMBEDDING, f"{outside}/")
+
+    checkpoint = _recommitted(runs["untied"], tmp_path, shards_elsewhere)
+    metadata = re.escape(str(checkpoint / "policy" / ".metadata"))
+    with pytest.raises(CheckpointError, match=rf"{metadata} places {EMBEDDING} in .* outside"):
+        export_checkpoint(checkpoint, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
