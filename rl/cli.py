@@ -13,7 +13,7 @@ from rl.checkpoint.resume import find_resume_point
 from rl.checkpoint.store import CheckpointError
 from rl.cluster.memory_plan import PlanDoesNotFit
 from rl.config.recipe import ConfigError, check_inputs, describe_config, dry_run_report, load_config
-from rl.run.directory import fresh_run_config
+from rl.run.directory import RunInUse, fresh_run_config
 from rollout.engines.registry import ENGINES
 
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             cfg = fresh
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, RunInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if dry_run:
@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"base checkpoint written to {build_base(cfg)}")
         return 0
-    from rl.run.directory import RunInUse
     from rl.run.driver import RunAborted, train
 
     if args.address:

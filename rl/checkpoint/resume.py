@@ -4,6 +4,12 @@
 damaged ones, and starting fresh when there is none); `--resume PATH` takes PATH or fails.
 Either way the checkpoint must hold the same run: the config may differ only in keys that do
 not change what is computed (`RESUMABLE_CHANGES`), and its tensors must fit model.path.
+
+The run then continues that checkpoint's timeline, and its checkpoints/ directory holds that
+timeline only (`start_timeline`): checkpoints newer than the resume point are set aside (into
+checkpoints/abandoned-<time>/, never deleted), so a fault restart or a later `--resume auto`
+cannot switch back to them; a resume point from outside checkpoints/ (one set aside earlier,
+another output_dir) sets aside all of them and is brought in (hard-linked where it can be).
 """
 
 from __future__ import annotations
@@ -14,8 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from rl.checkpoint.store import CheckpointError, checkpoint_root, newest_valid, verify
+from rl.checkpoint.store import (
+    CheckpointError,
+    adopt,
+    checkpoint_root,
+    checkpoint_step,
+    list_checkpoints,
+    newest_valid,
+    restore_displaced,
+    set_aside,
+    verify,
+)
 from rl.config import Config
+from rl.run.directory import RunLock
 
 DRIVER_STATE = "driver.json"
 # Config keys a resumed run may change: how long it runs, how it reports and saves.
@@ -36,9 +53,10 @@ RESUMABLE_CHANGES = (
 
 
 def find_resume_point(cfg: Config, resume: str | None) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start). CheckpointError when PATH is
-    not a good checkpoint of this run. A fresh start moves an earlier run's checkpoints
-    aside rather than mixing them with its own."""
+    """The checkpoint to continue from (None: a fresh start), in this run's checkpoints/ and
+    its newest (`start_timeline`). CheckpointError when PATH is not a good checkpoint of this
+    run. A fresh start moves an earlier run's checkpoints aside rather than mixing them with
+    its own."""
     root = checkpoint_root(cfg.run.directory())
     if resume is None:
         if root.is_dir() and any(root.iterdir()):
@@ -57,7 +75,43 @@ def find_resume_point(cfg: Config, resume: str | None) -> Path | None:
         path = Path(resume)
         verify(path)
     check_compatible(cfg, path)
-    return path
+    # Held while the checkpoints move, so a live run of this directory is refused untouched.
+    with RunLock(root.parent):
+        return start_timeline(root, path)
+
+
+def start_timeline(root: Path, path: Path) -> Path:
+    """Make checkpoint `path` the newest of `root`: the newer ones (all of them, when `path` is
+    not one of them) move into root/abandoned-<time>/, and a `path` from elsewhere is brought
+    in as root's. Returns where `path` now is in `root`."""
+    restore_displaced(root)
+    current = list_checkpoints(root)
+    ours = path.resolve() in {p.resolve() for p in current}
+    step = checkpoint_step(path.resolve()) if ours else _driver_step(path)
+    newer = [p for p in current if not ours or checkpoint_step(p) > step]
+    if newer:
+        aside = set_aside(root, newer)
+        print(
+            f"resuming from step {step}: {', '.join(p.name for p in newer)} of {root} moved to "
+            f"{aside} (to return to them later, --resume a checkpoint there)",
+            flush=True,
+        )
+    if ours:
+        return root / path.resolve().name
+    adopted = adopt(root, path, step)
+    print(
+        f"resuming from {path}: brought into {adopted} (its files hard-linked or copied), "
+        "where this run continues",
+        flush=True,
+    )
+    return adopted
+
+
+def _driver_step(path: Path) -> int:
+    step = json.loads((path / DRIVER_STATE).read_text()).get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path / DRIVER_STATE} records no step ({step!r}); it is damaged")
+    return step
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

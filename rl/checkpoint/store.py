@@ -6,6 +6,11 @@ last), and the directory is renamed into place, so a crash or a failed write at 
 leaves the previous checkpoints exactly as they were. What goes inside (trainer shards,
 driver state) is up to the caller; this module knows files only, so the CLI can check a
 checkpoint before anything heavy starts.
+
+Only `step_NNNNNN` directories are checkpoints to `newest_valid` and to keep_last's pruning.
+A resume from a checkpoint that is not the newest moves the newer ones into
+`abandoned-<time>/` (`set_aside`), so nothing the resumed run does later (a fault restart,
+`--resume auto`, pruning) returns to the abandoned timeline or deletes it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ _TMP_PREFIX = ".tmp-"
 # A committed checkpoint moved aside while the same step is written again (a resumed run's
 # final step): `.displaced-step_NNNNNN-<id>`, until its replacement is in place.
 _DISPLACED_PREFIX = ".displaced-"
+# Checkpoints of a timeline a resume left (`set_aside`): kept, out of every search.
+ABANDONED_PREFIX = "abandoned-"
 
 
 class CheckpointError(ValueError):
@@ -36,6 +43,12 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of committed checkpoint directory `path` (step_NNNNNN), from its name."""
+    assert path.name.startswith(_PREFIX) and path.name[len(_PREFIX) :].isdigit(), path
+    return int(path.name[len(_PREFIX) :])
 
 
 def _sha256(path: Path) -> str:
@@ -131,7 +144,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+    return sorted(found, key=checkpoint_step)
 
 
 def verify(path: Path) -> dict:
@@ -180,3 +193,52 @@ def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
             continue
         return path, skipped
     return None, skipped
+
+
+def set_aside(root: Path, checkpoints: list[Path]) -> Path:
+    """Move `checkpoints` (directories in `root`) into a new `root/abandoned-<time>/`, which
+    no search for a checkpoint and no pruning looks into; returns that directory."""
+    assert checkpoints and all(p.parent == root for p in checkpoints), checkpoints
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, k = root / f"{ABANDONED_PREFIX}{stamp}", 2
+    while aside.exists():
+        aside, k = root / f"{ABANDONED_PREFIX}{stamp}-{k}", k + 1
+    aside.mkdir()
+    # A crash midway leaves some in view; the same resume, run again, moves the rest.
+    for path in checkpoints:
+        path.rename(aside / path.name)
+    _fsync(aside)
+    _fsync(root)
+    return aside
+
+
+def adopt(root: Path, path: Path, step: int) -> Path:
+    """Bring checkpoint `path`, outside `root`, in as root's step `step`: its files are
+    hard-linked (copied where `root` is on another filesystem) into a temporary directory,
+    verified and renamed into place. Links are safe: no checkpoint file is written in place."""
+    final = root / checkpoint_name(step)
+    assert not final.exists(), final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        for directory, _, names in os.walk(path):  # symlinked directories are not entered
+            source = Path(directory)
+            dest = tmp / source.relative_to(path)
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                # A symlink is not brought in: verify() then names the file the copy lacks.
+                if (source / name).is_symlink():
+                    continue
+                try:
+                    os.link(source / name, dest / name)
+                except OSError:
+                    shutil.copy2(source / name, dest / name)
+                _fsync(dest / name)
+            _fsync(dest)
+        verify(tmp)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(root)
+    return final

@@ -10,8 +10,16 @@ import torch
 from safetensors.torch import save_file
 
 from rl.checkpoint.resume import find_resume_point
-from rl.checkpoint.store import CheckpointError, CheckpointWriter, checkpoint_root
+from rl.checkpoint.store import (
+    CheckpointError,
+    CheckpointWriter,
+    checkpoint_root,
+    list_checkpoints,
+    newest_valid,
+    verify,
+)
 from rl.config import Config
+from rl.run.directory import RunInUse, RunLock
 
 
 def _cfg(tmp_path: Path, **run: object) -> Config:
@@ -87,3 +95,79 @@ def test_a_fresh_start_moves_earlier_checkpoints_aside(tmp_path: Path) -> None:
     assert not path.exists()
     (aside,) = path.parent.parent.glob("checkpoints.before-*")
     assert (aside / path.name / "driver.json").exists()
+
+
+def _steps(paths: list[Path]) -> list[str]:
+    return [p.name for p in paths]
+
+
+def test_resuming_an_older_step_sets_the_newer_ones_aside_for_every_later_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Without this, a fault restart or `--resume auto` after `--resume step_4` would pick
+    step 8 of the abandoned timeline again."""
+    cfg = _cfg(tmp_path)
+    paths = [_checkpoint(cfg, step) for step in (2, 4, 6, 8)]
+    root = paths[0].parent
+    assert find_resume_point(cfg, str(paths[1])) == paths[1]
+    assert newest_valid(root) == (paths[1], [])  # the driver's fault restart
+    assert _steps(list_checkpoints(root)) == ["step_000002", "step_000004"]
+    (aside,) = root.glob("abandoned-*")
+    assert f"step_000006, step_000008 of {root} moved to {aside}" in capsys.readouterr().out
+    assert find_resume_point(cfg, "auto") == paths[1]
+    # The resumed run writes its own steps 6 and 8 and prunes to keep_last: the set-aside ones
+    # are neither picked nor pruned.
+    writer = CheckpointWriter(root, keep_last=2)
+    for step in (6, 8, 10):
+        writer.commit(writer.begin(step), step)
+    assert _steps(list_checkpoints(root)) == ["step_000008", "step_000010"]
+    assert newest_valid(root)[0] == root / "step_000010"
+    assert _steps(sorted(aside.iterdir())) == ["step_000006", "step_000008"]
+    for old in aside.iterdir():
+        assert verify(old)["step"] in (6, 8)
+
+
+def test_auto_sets_aside_the_damaged_checkpoints_it_skipped(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    good, bad = _checkpoint(cfg, 2), _checkpoint(cfg, 4)
+    (bad / "driver.json").write_text("{}")
+    assert find_resume_point(cfg, "auto") == good
+    assert list_checkpoints(good.parent) == [good]
+    (aside,) = good.parent.glob("abandoned-*")
+    assert (aside / bad.name / "driver.json").read_text() == "{}"
+
+
+def test_resuming_a_set_aside_checkpoint_makes_its_timeline_the_runs_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _cfg(tmp_path)
+    paths = [_checkpoint(cfg, step) for step in (2, 4, 6)]
+    root = paths[0].parent
+    find_resume_point(cfg, str(paths[0]))
+    (first_aside,) = root.glob("abandoned-*")
+    _checkpoint(cfg, 4)  # the resumed timeline's own step 4
+    back = find_resume_point(cfg, str(first_aside / "step_000006"))
+    assert back == root / "step_000006"
+    # Everything of the timeline left goes aside (which of it the two timelines share is not
+    # known), and the resume point alone is in view: a fault restart continues from it.
+    assert newest_valid(root) == (back, [])
+    assert list_checkpoints(root) == [back]
+    assert verify(back)["step"] == 6
+    (second_aside,) = set(root.glob("abandoned-*")) - {first_aside}
+    assert _steps(sorted(second_aside.iterdir())) == ["step_000002", "step_000004"]
+    assert (first_aside / "step_000006" / "driver.json").is_file()  # still there, linked
+    assert f"brought into {back}" in capsys.readouterr().out
+
+
+def test_a_refused_resume_moves_nothing(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    paths = [_checkpoint(cfg, step) for step in (2, 4)]
+    changed = cfg.model_copy(deep=True)
+    changed.trainer.lr = 1.0
+    with pytest.raises(CheckpointError, match="trainer.lr"):
+        find_resume_point(changed, str(paths[0]))
+    assert list_checkpoints(paths[0].parent) == paths
+    # A live run writing the directory keeps its checkpoints where it writes them.
+    with RunLock(cfg.run.directory()), pytest.raises(RunInUse):
+        find_resume_point(cfg, str(paths[0]))
+    assert list_checkpoints(paths[0].parent) == paths

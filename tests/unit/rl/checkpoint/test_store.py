@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from rl.checkpoint.store import (
+    ABANDONED_PREFIX,
     MANIFEST,
     CheckpointError,
     CheckpointWriter,
+    adopt,
     list_checkpoints,
     newest_valid,
+    set_aside,
     verify,
 )
 
@@ -145,3 +149,34 @@ def test_damage_is_named_and_auto_falls_back_to_the_newest_good(
 def test_keep_last_below_one_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="checkpoint.keep_last=0"):
         CheckpointWriter(tmp_path, keep_last=0)
+
+
+def test_set_aside_checkpoints_are_neither_found_nor_pruned(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep_last=1)
+    first = _write(writer, 1)
+    aside = set_aside(tmp_path, [first])
+    assert aside.name.startswith(ABANDONED_PREFIX)
+    assert newest_valid(tmp_path) == (None, [])
+    _write(writer, 2)
+    _write(writer, 3)  # prunes step 2, not the step 1 set aside
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000003"]
+    verify(aside / "step_000001")
+
+
+@pytest.mark.parametrize("cross_device", [False, True])
+def test_adopt_brings_a_checkpoint_in_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cross_device: bool
+) -> None:
+    source = _write(CheckpointWriter(tmp_path / "elsewhere", keep_last=1), 4, b"z" * 64)
+    if cross_device:
+
+        def no_link(src: object, dst: object) -> None:
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "link", no_link)
+    root = tmp_path / "run" / "checkpoints"
+    adopted = adopt(root, source, 4)
+    assert list_checkpoints(root) == [adopted] and verify(adopted)["step"] == 4
+    assert (adopted / "policy" / "shard0.distcp").read_bytes() == b"z" * 64
+    assert verify(source)["step"] == 4  # the source is left as it was
+    assert not list(root.glob(".tmp-*"))
