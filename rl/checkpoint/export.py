@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from rl.checkpoint.base_weights import is_weight_file
 from rl.checkpoint.resume import DRIVER_STATE
 from rl.checkpoint.store import CheckpointError, verify
 from rl.config import Config
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 POLICY_DIR = "policy"
 SHAPES = "shapes.json"
 MODEL_FILES_DIR = "model_files"  # the base model's files but its weights
-# Weights, which the policy shards replace; every other file of the base is small.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def copy_model_files(model_dir: Path, dest: Path) -> None:
@@ -41,8 +40,8 @@ def copy_model_files(model_dir: Path, dest: Path) -> None:
     index files) left out."""
     dest.mkdir()
     for file in sorted(model_dir.iterdir()):
-        weights = file.name.endswith(_WEIGHT_SUFFIXES) or file.name.endswith(".index.json")
-        if file.is_file() and not weights:
+        # Weights, which the policy shards replace; every other file of the base is small.
+        if file.is_file() and not is_weight_file(file.name):
             shutil.copy2(file, dest / file.name)
 
 

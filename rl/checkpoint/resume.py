@@ -3,7 +3,8 @@
 `--resume auto` takes the newest checkpoint of the run that verifies (falling back past
 damaged ones, and starting fresh when there is none); `--resume PATH` takes PATH or fails.
 Either way the checkpoint must hold the same run: the config may differ only in keys that do
-not change what is computed (`RESUMABLE_CHANGES`), and its tensors must fit model.path.
+not change what is computed (`RESUMABLE_CHANGES`), its tensors must fit model.path, and
+model.path's weight files must be those it was trained from (`base_weights`).
 
 The run then continues that checkpoint's timeline, and its checkpoints/ directory holds that
 timeline only (`start_timeline`): checkpoints newer than the resume point are set aside (into
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from rl.checkpoint.base_weights import check_base
 from rl.checkpoint.store import (
     CheckpointError,
     adopt,
@@ -146,7 +148,11 @@ def check_compatible(cfg: Config, path: Path) -> None:
             f"checkpoint {path} is at step {state['step']}, past run.num_steps="
             f"{cfg.run.num_steps}; raise run.num_steps to continue training"
         )
-    _check_shapes(path / "policy" / "shapes.json", Path(cfg.model.path))
+    model_dir = Path(cfg.model.path)
+    _check_shapes(path / "policy" / "shapes.json", model_dir)
+    # A missing base is built by the driver (base.build_if_missing), which checks it then.
+    if model_dir.is_dir():
+        check_base(path, model_dir)
 
 
 def _safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:

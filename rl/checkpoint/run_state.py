@@ -4,8 +4,9 @@ The driver's state is what it needs to continue exactly: the step, where the pro
 stands at the first group not yet trained (groups in flight are drawn and generated again,
 with the same seeds; later groups already trained are drawn and passed over), the adaptive
 KL coefficient, and run counters. With them goes a copy of the base model's files but its
-weights (config, tokenizer), so that `rl export` needs nothing else. Written atomically
-through `rl.checkpoint.store.CheckpointWriter`.
+weights (config, tokenizer), so that `rl export` needs nothing else, and the sha256 of each
+of its weight files, which a resume checks model.path against (`rl.checkpoint.base_weights`).
+Written atomically through `rl.checkpoint.store.CheckpointWriter`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rl.checkpoint import base_weights
 from rl.checkpoint.export import MODEL_FILES_DIR, copy_model_files
 from rl.checkpoint.resume import DRIVER_STATE
 from rl.checkpoint.store import CheckpointWriter, checkpoint_root
@@ -36,11 +38,18 @@ class DriverState:
 
 class RunCheckpoints:
     def __init__(
-        self, cfg: Config, run_dir: Path, trainers: PolicyRanks, critic: CriticRanks | None
+        self,
+        cfg: Config,
+        run_dir: Path,
+        trainers: PolicyRanks,
+        critic: CriticRanks | None,
+        base_hashes: dict[str, str],
     ) -> None:
+        """`base_hashes`: `base_weights.weight_hashes` of the model.path the roles loaded."""
         self.cfg = cfg
         self.writer = CheckpointWriter(checkpoint_root(run_dir), cfg.checkpoint.keep_last)
         self.trainers, self.critic = trainers, critic
+        self.base_hashes = base_hashes
 
     def save(self, state: DriverState) -> Path:
         """Write a checkpoint of step `state.step`; on any failure the partial one is
@@ -51,6 +60,7 @@ class RunCheckpoints:
             if self.critic is not None:
                 self.critic.save_checkpoint(tmp / "critic")
             copy_model_files(Path(self.cfg.model.path), tmp / MODEL_FILES_DIR)
+            base_weights.record(self.base_hashes, tmp)
             record = {**asdict(state), "config": self.cfg.model_dump(mode="json")}
             (tmp / DRIVER_STATE).write_text(json.dumps(record, indent=1))
             return self.writer.commit(tmp, state.step)

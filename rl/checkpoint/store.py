@@ -51,7 +51,7 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name[len(_PREFIX) :])
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -99,7 +99,7 @@ class CheckpointWriter:
             _fsync(path)
             entries[str(path.relative_to(tmp))] = {
                 "bytes": path.stat().st_size,
-                "sha256": _sha256(path),
+                "sha256": sha256_file(path),
             }
         manifest = {"step": step, "created": time.time(), "files": entries}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -175,7 +175,7 @@ def verify(path: Path) -> dict:
                 f"checkpoint file {file} has {size} bytes, the manifest says {entry['bytes']} "
                 "(truncated?)"
             )
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {file} does not match its sha256 checksum")
     return manifest
 

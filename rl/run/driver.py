@@ -23,6 +23,7 @@ import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rl.base.build import ensure_base
+from rl.checkpoint.base_weights import check_base, weight_hashes
 from rl.checkpoint.run_state import DriverState, RunCheckpoints
 from rl.checkpoint.store import checkpoint_root, newest_valid
 from rl.cluster.reservation import init_ray, reserve
@@ -63,6 +64,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     limit = prompt_token_limit(cfg)
     examples = {split: load_examples(cfg.data, split) for split in ("train", "test")}
     ensure_base(cfg)
+    base_hashes = _base_hashes(cfg, resume_from)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = _Data.of(cfg, examples, tokenizer, limit)
     run_dir = cfg.run.directory()
@@ -76,7 +78,9 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
         try:
             while True:
                 try:
-                    return _run(cfg, run_dir, data, tokenizer, resume_from, stop, num_restarts)
+                    return _run(
+                        cfg, run_dir, data, tokenizer, resume_from, stop, num_restarts, base_hashes
+                    )
                 except ray.exceptions.RayActorError as e:
                     num_restarts += 1
                     if num_restarts > cfg.faults.max_trainer_restarts:
@@ -86,6 +90,7 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
                             f"last: {e}"
                         ) from e
                     resume_from, _ = newest_valid(checkpoint_root(run_dir))
+                    base_hashes = _base_hashes(cfg, resume_from)
                     print(
                         f"an actor died ({type(e).__name__}); rebuilding every role from "
                         f"{resume_from or 'the start'} (restart {num_restarts}/"
@@ -95,6 +100,16 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
         finally:
             if connected:
                 ray.shutdown()
+
+
+def _base_hashes(cfg: Config, resume_from: Path | None) -> dict[str, str]:
+    """The hashes of model.path's weight files, which the roles are about to load (hashed
+    once while they stay unchanged); CheckpointError if they are not the ones `resume_from`
+    was trained from (the CLI checked already, unless the base was built since)."""
+    model_dir = Path(cfg.model.path)
+    if resume_from is not None:
+        check_base(resume_from, model_dir)
+    return weight_hashes(model_dir)
 
 
 @dataclass
@@ -132,6 +147,7 @@ def _run(
     resume_from: Path | None,
     stop: StopRequest,
     num_restarts: int,
+    base_hashes: dict[str, str],
 ) -> dict:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     task = get_task(cfg.data.task)
@@ -167,7 +183,7 @@ def _run(
         closers.append(scorer.close)
         trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, padding_id(tokenizer))
         closers.append(trainer_side.close)
-        checkpoints = RunCheckpoints(cfg, run_dir, trainers, critic)
+        checkpoints = RunCheckpoints(cfg, run_dir, trainers, critic, base_hashes)
         state = None
         if resume_from is not None:
             state = checkpoints.restore(resume_from)

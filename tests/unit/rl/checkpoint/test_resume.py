@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rl.checkpoint import base_weights
 from rl.checkpoint.resume import find_resume_point
 from rl.checkpoint.store import (
     CheckpointError,
@@ -35,7 +36,9 @@ def _cfg(tmp_path: Path, **run: object) -> Config:
     )
 
 
-def _checkpoint(cfg: Config, step: int, shapes: dict | None = None) -> Path:
+def _checkpoint(cfg: Config, step: int, shapes: dict | None = None, base: bool = False) -> Path:
+    """A checkpoint as the driver writes one (`base`: with the record of model.path's
+    weights, which older checkpoints lack)."""
     root = checkpoint_root(Path(cfg.run.output_dir) / cfg.run.name)
     writer = CheckpointWriter(root, keep_last=5)
     tmp = writer.begin(step)
@@ -44,6 +47,8 @@ def _checkpoint(cfg: Config, step: int, shapes: dict | None = None) -> Path:
     (tmp / "policy" / "shapes.json").write_text(json.dumps(shapes))
     state = {"step": step, "config": cfg.model_dump(mode="json")}
     (tmp / "driver.json").write_text(json.dumps(state))
+    if base:
+        base_weights.record(base_weights.weight_hashes(Path(cfg.model.path)), tmp)
     return writer.commit(tmp, step)
 
 
@@ -171,3 +176,40 @@ def test_a_refused_resume_moves_nothing(tmp_path: Path) -> None:
     with RunLock(cfg.run.directory()), pytest.raises(RunInUse):
         find_resume_point(cfg, str(paths[0]))
     assert list_checkpoints(paths[0].parent) == paths
+
+
+def _change_one_weight(cfg: Config) -> None:
+    weights = torch.zeros(4, 2)
+    weights[1, 1] = 1e-3
+    save_file({"w": weights, "b": torch.zeros(4)}, Path(cfg.model.path) / "model.safetensors")
+
+
+def test_a_base_whose_weights_changed_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """The frozen reference and frozen parameters are reloaded from model.path: a base with
+    the same shapes but another value would make the resumed run diverge silently."""
+    cfg = _cfg(tmp_path)
+    old, newer = _checkpoint(cfg, 2, base=True), _checkpoint(cfg, 4, base=True)
+    assert find_resume_point(cfg, "auto") == newer  # the unchanged base is accepted
+    _change_one_weight(cfg)
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_point(cfg, str(old))
+    message = str(refused.value)
+    assert f"model.path={cfg.model.path} is not the base checkpoint {old} was trained from" in (
+        message
+    )
+    assert "model.safetensors has sha256" in message
+    assert list_checkpoints(old.parent) == [old, newer]  # refused before anything moved
+    with pytest.raises(CheckpointError, match="model.safetensors has sha256"):
+        find_resume_point(cfg, "auto")
+    (Path(cfg.model.path) / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+        find_resume_point(cfg, "auto")
+
+
+def test_a_checkpoint_without_the_base_record_is_resumed_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _cfg(tmp_path)
+    path = _checkpoint(cfg, 2)
+    assert find_resume_point(cfg, str(path)) == path
+    assert f"warning: {path} has no base_weights.json" in capsys.readouterr().err
