@@ -224,11 +224,18 @@ def test_an_fp16_run_generates_and_trains_in_half_precision_with_a_loss_scale(
     )
     final, records = _run(cfg)
     assert [r["step"] for r in records] == [0, 1, 2]
+    # Dynamic loss scaling from 2^16: a step whose scaled gradients overflow fp16 is skipped
+    # and halves the scale (which steps overflow depends on the base's numerics).
+    scale = 2.0**16
     for record in records[1:]:
-        assert record["actor/nonfinite_skipped"] == 0.0
-        assert record["actor/loss_scale"] == 2.0**16
-        assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
-    assert any(r["actor/grad_norm"] > 0 for r in records[1:]), "no reward signal to learn from"
+        if record["actor/nonfinite_skipped"]:
+            scale /= 2
+        else:
+            assert math.isfinite(record["actor/pg_loss"])
+            assert math.isfinite(record["actor/grad_norm"])
+        assert record["actor/loss_scale"] == scale
+    trained = [r for r in records[1:] if not r["actor/nonfinite_skipped"]]
+    assert any(r["actor/grad_norm"] > 0 for r in trained), "no reward signal to learn from"
     # Both sides in fp16 from the same weights: the engine's log-probs are the trainer's
     # within half precision's rounding.
     assert records[1]["off_policy/max_abs_logprob_gap"] < 5e-2
