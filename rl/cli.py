@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.recipe, args.overrides)
         if args.command == "train" and not dry_run:
             check_inputs(cfg, args.recipe)
-            resume_from = find_resume_point(cfg, resume)
             fresh = fresh_run_config(cfg, resuming=resume is not None)
             if fresh.run.name != cfg.run.name:
                 print(
@@ -127,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             cfg = fresh
+            resume_from = find_resume_point(cfg, resume)
     except (ConfigError, CheckpointError, RunInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

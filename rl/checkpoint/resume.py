@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import struct
 import sys
-import time
 from pathlib import Path
 
 from rl.checkpoint.base_weights import check_base
@@ -57,14 +56,10 @@ RESUMABLE_CHANGES = (
 def find_resume_point(cfg: Config, resume: str | None) -> Path | None:
     """The checkpoint to continue from (None: a fresh start), in this run's checkpoints/ and
     its newest (`start_timeline`). CheckpointError when PATH is not a good checkpoint of this
-    run. A fresh start moves an earlier run's checkpoints aside rather than mixing them with
-    its own."""
+    run. A fresh start needs no search: it has a directory of its own
+    (`rl.run.directory.fresh_run_config`)."""
     root = checkpoint_root(cfg.run.directory())
     if resume is None:
-        if root.is_dir() and any(root.iterdir()):
-            aside = root.with_name(f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
-            root.rename(aside)
-            print(f"a fresh run: the earlier checkpoints of {root.parent} were moved to {aside}")
         return None
     if resume == "auto":
         path, skipped = newest_valid(root)

@@ -20,7 +20,7 @@ from rl.checkpoint.store import (
     verify,
 )
 from rl.config import Config
-from rl.run.directory import RunInUse, RunLock
+from rl.run.directory import RunInUse, RunLock, fresh_run_config
 
 
 def _cfg(tmp_path: Path, **run: object) -> Config:
@@ -93,13 +93,14 @@ def test_a_checkpoint_of_another_config_or_model_is_refused(tmp_path: Path) -> N
         find_resume_point(cfg, str(other_model))
 
 
-def test_a_fresh_start_moves_earlier_checkpoints_aside(tmp_path: Path) -> None:
+def test_a_fresh_start_leaves_an_earlier_runs_checkpoints_where_they_are(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     path = _checkpoint(cfg, 3)
-    assert find_resume_point(cfg, None) is None
-    assert not path.exists()
-    (aside,) = path.parent.parent.glob("checkpoints.before-*")
-    assert (aside / path.name / "driver.json").exists()
+    fresh = fresh_run_config(cfg, resuming=False)
+    assert fresh.run.directory() != cfg.run.directory()  # a directory of its own
+    assert find_resume_point(fresh, None) is None
+    assert (path / "driver.json").exists()
+    assert find_resume_point(cfg, "auto") == path  # the earlier run still continues
 
 
 def _steps(paths: list[Path]) -> list[str]:
