@@ -32,6 +32,7 @@ from rl.sync.shared_memory import (
     write_rows,
 )
 from rl.sync.transport import open_channel
+from tests.helpers.repo import REPO
 from tests.helpers.sync_specs import SYNC_SHAPE, SYNC_SPECS
 
 
@@ -161,6 +162,33 @@ def _exited_process(reap: bool) -> tuple[str, subprocess.Popen]:
     return tag, child
 
 
+def _channel_of_a_killed_driver() -> str:
+    """The prefix of a channel a driver process created before it was SIGKILLed (so that no
+    finalizer of its own ran)."""
+    code = (
+        "import sys\n"
+        "from rl.sync.shared_memory import channel_prefix, create_slots\n"
+        "prefix = channel_prefix()\n"
+        "create_slots(prefix, 16)\n"
+        "print(prefix, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,  # where `rl` imports from
+    )
+    prefix = driver.stdout.readline().strip()
+    assert all(Path(path).is_file() for path in slot_paths(prefix)), prefix
+    driver.kill()
+    driver.wait()
+    driver.stdin.close()
+    driver.stdout.close()
+    return prefix
+
+
 def _segment(owner: str) -> str:
     """A channel's slot files, named as owned by `owner`."""
     prefix = f"tandem-{owner}-{uuid.uuid4().hex[:12]}"
@@ -182,6 +210,7 @@ def test_a_new_run_deletes_the_slots_of_exited_drivers_and_keeps_live_ones(
     link = SHM_DIR / f"tandem-{host}-{pid}-{int(start) + 1}-{uuid.uuid4().hex[:12]}-slot0"
     try:
         prefixes["live"] = _segment(me)  # this process: a live driver
+        prefixes["killed"] = _channel_of_a_killed_driver()
         exited, child = _exited_process(reap=True)
         prefixes["exited"] = _segment(exited)
         # A killed driver its parent has not waited for yet never runs again either.
@@ -197,7 +226,7 @@ def test_a_new_run_deletes_the_slots_of_exited_drivers_and_keeps_live_ones(
 
         removed = set(remove_stale_slots())  # others' too, of runs that exited meanwhile
 
-        for name in ("exited", "zombie", "reused_pid"):
+        for name in ("killed", "exited", "zombie", "reused_pid"):
             for path in slot_paths(prefixes[name]):
                 assert path in removed and not os.path.lexists(path), name
         for name in ("live", "other_host"):
