@@ -283,7 +283,8 @@ class RolloutConfig(Section):
     weight_transport: Literal["auto", "shared_memory", "distributed"] = Field(
         "auto",
         description="Weight-sync transport: shared memory on one node, a gloo group between "
-        "trainer and rollout ranks across nodes; auto picks from the placement.",
+        "trainer and rollout ranks across nodes; auto picks from the placement, and the gloo "
+        "group on one node when /dev/shm is too small for two buckets.",
     )
     weight_bucket_mb: float = Field(
         64.0,

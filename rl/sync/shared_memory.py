@@ -2,22 +2,79 @@
 every member maps. Bucket i goes to slot i % 2, so the trainer fills bucket i + 1 while the
 rollout ranks still read bucket i (pipelined). Each tensor lies whole in a slot: rank w's rows
 land at their place, so readers see full tensors without any gather or copy.
+
+The slots hold the policy's weights, so they are private: created new (O_EXCL, never through a
+symlink) with mode 0600, and opened without following symlinks. A channel's files are named
+after the driver that owns them, `tandem-HOST-PID-START-RANDOM-slotK` (HOST: this machine's
+boot and PID namespace; START: the driver's start time, which tells a reused PID apart), so
+that a new run can delete the files of runs whose driver was killed before it could
+(`remove_stale_slots`) without touching a live run's.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import hashlib
+import mmap
 import os
+import re
+import stat
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rl.sync.pieces import bucket_tensors
-from rl.sync.plan import WeightSyncPlan, owned_rows
+from rl.sync.plan import BYTES_PER_ELEMENT, WeightSyncPlan, owned_rows
 from rl.sync.transport import TRANSPORTS, SyncSite
 
 NUM_SLOTS = 2
 SHM_DIR = Path("/dev/shm")
+# Others share /dev/shm (vLLM's TP message queues, Ray, other runs) and may grow after the
+# free-space check: the slots need this share of their size, and this many bytes, beyond it.
+SHM_MARGIN = 1 / 8
+SHM_RESERVE_BYTES = 16 << 20
+_SLOT_FILE = re.compile(
+    r"tandem-(?P<host>[0-9a-f]{12})-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[0-9a-f]{12}-slot[0-9]+"
+)
+
+
+@functools.cache
+def _host_tag() -> str:
+    """This boot of this machine and this PID namespace: a PID means one process only within
+    both (hosts share nothing in /dev/shm, but containers may, each with its own PIDs)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid")
+    except OSError:
+        # Unknown: a tag of this process alone, so that no other run judges its owners here.
+        return uuid.uuid4().hex[:12]
+    key = f"{boot_id}:{namespace.st_dev}:{namespace.st_ino}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def owner_tag(pid: int) -> str | None:
+    """`HOST-PID-START` naming process `pid` of this host while it lives; None once it has
+    exited (a zombie included: it never runs again)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Fields after the command name, which is in parentheses and may hold spaces: the state
+    # (field 3) first, the start time in clock ticks since boot (field 22) 19 later.
+    fields = text[text.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return f"{_host_tag()}-{pid}-{fields[19]}"
+
+
+def channel_prefix() -> str:
+    """A new channel's prefix, owned by this process (the driver, which deletes the files)."""
+    owner = owner_tag(os.getpid())
+    assert owner is not None  # this process is running
+    return f"tandem-{owner}-{uuid.uuid4().hex[:12]}"
 
 
 def slot_paths(prefix: str) -> list[str]:
@@ -25,30 +82,109 @@ def slot_paths(prefix: str) -> list[str]:
     return [str(SHM_DIR / f"{prefix}-slot{slot}") for slot in range(NUM_SLOTS)]
 
 
+def slots_bytes_needed(numel: int) -> int:
+    """Free /dev/shm a channel of slots of `numel` fp32 elements needs, with a margin."""
+    size = NUM_SLOTS * numel * BYTES_PER_ELEMENT
+    return size + int(size * SHM_MARGIN) + SHM_RESERVE_BYTES
+
+
+def free_bytes() -> int:
+    """Bytes free in /dev/shm (0 where there is none)."""
+    try:
+        fs = os.statvfs(SHM_DIR)
+    except FileNotFoundError:
+        return 0
+    return fs.f_bavail * fs.f_frsize
+
+
+def _map(fd: int, numel: int) -> torch.Tensor:
+    """Map `numel` fp32 elements of the open file `fd` shared: a write by one process is seen
+    by all. The mapping keeps its own reference to the file."""
+    return torch.frombuffer(mmap.mmap(fd, numel * BYTES_PER_ELEMENT), dtype=torch.float32)
+
+
 def create_slots(prefix: str, numel: int) -> list[torch.Tensor]:
-    """Create (or truncate) the channel's files to `numel` fp32 elements and map them."""
-    paths = slot_paths(prefix)
-    for path in paths:
-        with open(path, "wb") as f:
-            os.ftruncate(f.fileno(), numel * 4)
-    return open_slots(paths, numel)
+    """Create the channel's files, private to this user, of `numel` fp32 elements and map
+    them. A file or symlink already at a slot's path is refused, never written through."""
+    slots = []
+    for path in slot_paths(prefix):
+        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            raise FileExistsError(
+                f"weight-sync slot {path} already exists (a file or symlink this channel did "
+                "not create): refusing to write the weights through it"
+            ) from None
+        try:
+            os.ftruncate(fd, numel * BYTES_PER_ELEMENT)
+            slots.append(_map(fd, numel))
+        finally:
+            os.close(fd)
+    return slots
 
 
 def open_slots(paths: list[str], numel: int) -> list[torch.Tensor]:
-    """Map existing slot files shared: a write by one process is seen by all."""
+    """Map existing slot files shared (never through a symlink)."""
+    slots = []
     for path in paths:
-        if not os.path.exists(path):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"weight-sync slot {path} is missing: the trainer and this rollout worker must "
                 "share one host (and its /dev/shm) for the shared-memory transport"
-            )
-    return [torch.from_file(path, shared=True, size=numel, dtype=torch.float32) for path in paths]
+            ) from None
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            raise PermissionError(
+                f"weight-sync slot {path} is a symlink: refusing to map the weights through it"
+            ) from None
+        try:
+            slots.append(_map(fd, numel))
+        finally:
+            os.close(fd)
+    return slots
 
 
 def remove_slots(prefix: str) -> None:
     """Delete the channel's files (idempotent; also after a crash)."""
     for path in slot_paths(prefix):
         Path(path).unlink(missing_ok=True)
+
+
+def remove_stale_slots() -> list[str]:
+    """Delete the slot files of this user's runs on this host whose driver has exited (a
+    driver killed outright never deletes its own); returns their paths. A live driver's files,
+    other users', other hosts' or containers', symlinks and names not of this form are kept."""
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except FileNotFoundError:
+        return []
+    host, user, removed = _host_tag(), os.geteuid(), []
+    for entry in entries:
+        match = _SLOT_FILE.fullmatch(entry.name)
+        if match is None or match["host"] != host:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # another run removed it meanwhile
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != user:
+            continue
+        try:
+            alive = owner_tag(int(match["pid"])) == f"{host}-{match['pid']}-{match['start']}"
+        except OSError:  # the owner cannot be looked at: it may live
+            continue
+        if alive:
+            continue
+        try:
+            os.unlink(entry.path)  # a name: unlink never follows a symlink
+        except FileNotFoundError:
+            continue
+        removed.append(entry.path)
+    return removed
 
 
 def write_rows(

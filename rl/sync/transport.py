@@ -71,15 +71,36 @@ def open_channel(plan: WeightSyncPlan, spec: ChannelSpec, member: int) -> Channe
     return spec.open(plan, member)
 
 
-def choose_transport(setting: str, num_nodes: int) -> str:
+def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: int) -> str:
     """The transport for `rollout.weight_transport=setting` when the trainer and rollout
-    workers span `num_nodes` nodes: shared memory on one node, a gloo group across nodes."""
+    workers span `num_nodes` nodes and /dev/shm has `shm_free` of the `shm_needed` bytes the
+    shared-memory transport would take: shared memory on one node where it fits, a gloo group
+    otherwise (which works over loopback on one node too). A too-small /dev/shm (a container's
+    default) would otherwise kill the first sync with SIGBUS, once its pages run out."""
+    space = (
+        f"/dev/shm has {shm_free / 2**20:.1f} MiB free of the {shm_needed / 2**20:.1f} MiB "
+        "the shared-memory transport needs (two slots of the largest bucket in fp32, and a margin)"
+    )
     if setting == "auto":
-        return "shared_memory" if num_nodes == 1 else "distributed"
+        if num_nodes > 1:
+            return "distributed"
+        if shm_free < shm_needed:
+            print(
+                f"weight sync: {space}: using the distributed (gloo) transport",
+                flush=True,
+            )
+            return "distributed"
+        return "shared_memory"
     if TRANSPORTS.traits(setting).single_host and num_nodes > 1:
         raise ValueError(
             f"rollout.weight_transport={setting}, but the trainer and rollout workers run "
             f"on {num_nodes} nodes: use 'distributed' (or 'auto'), or place them on one node"
+        )
+    if setting == "shared_memory" and shm_free < shm_needed:
+        raise ValueError(
+            f"rollout.weight_transport=shared_memory, but {space}: enlarge /dev/shm "
+            "(docker run --shm-size), lower rollout.weight_bucket_mb, or use 'distributed' "
+            "(or 'auto')"
         )
     return setting
 

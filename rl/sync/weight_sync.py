@@ -11,7 +11,6 @@ engine and sent the whole current version; one lost while generating is replaced
 from __future__ import annotations
 
 import time
-import uuid
 import weakref
 from collections.abc import Iterator
 
@@ -21,6 +20,7 @@ from ray.exceptions import RayActorError
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
+from rl.sync import shared_memory
 from rl.sync.plan import WeightSyncPlan, plan_to_json, plan_weight_sync
 from rl.sync.transport import TRANSPORTS, SyncSite, choose_transport
 
@@ -43,10 +43,18 @@ class WeightSync:
         nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
         nodes |= set(ray.get([w.node_id.remote() for w in rollout.workers]))
         self.num_nodes = len(nodes)
-        self.transport = choose_transport(cfg.rollout.weight_transport, self.num_nodes)
+        # A driver killed outright (SIGKILL, OOM) never deletes its slot files: delete those of
+        # exited drivers before measuring the space, and before creating this run's.
+        shared_memory.remove_stale_slots()
+        self.transport = choose_transport(
+            cfg.rollout.weight_transport,
+            self.num_nodes,
+            shm_free=shared_memory.free_bytes(),
+            shm_needed=shared_memory.slots_bytes_needed(self.plan.slot_numel),
+        )
         self._plan_json = plan_to_json(self.plan)
         self._traits = TRANSPORTS.traits(self.transport)
-        self._prefix = f"tandem-{uuid.uuid4().hex[:12]}"
+        self._prefix = shared_memory.channel_prefix()  # this process owns the channel's files
         self._cleanup: weakref.finalize | None = None
         self._connect()
         self.failed: list[int] = []  # rollout workers lost during the last `stream`

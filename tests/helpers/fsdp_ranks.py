@@ -78,24 +78,27 @@ def make_batch(
 def sync_between_ranks(
     trainer: PolicyTrainer, rank: int, prefix: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Both ranks write their shards bucket by bucket; rank 0 reads the tensors back.
+    """Both ranks write their shards bucket by bucket through the channel `prefix` (a new one:
+    rank 0 creates its files); rank 0 reads the tensors back.
     Returns (what rank 0 read, the full parameters) on rank 0, empty dicts on rank 1."""
     specs, shape = trainer.weight_sync_spec()
     plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14)
     spec = SharedMemorySpec(prefix)
-    if rank == 0:  # rank 0 creates the buffers
-        trainer.open_weight_sender(plan, spec)
-    dist.barrier()
-    if rank == 1:
-        trainer.open_weight_sender(plan, spec)
-    full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
-    slots = open_slots(slot_paths(prefix), plan.slot_numel)
-    synced = {}
-    for bucket in range(len(plan.buckets)):
-        trainer.write_weight_bucket(bucket)
+    try:
+        if rank == 0:  # rank 0 creates the buffers
+            trainer.open_weight_sender(plan, spec)
         dist.barrier()
-        if rank == 0:
-            synced |= {n: t.clone() for n, t in bucket_tensors(slots[bucket % 2], plan, bucket)}
-        dist.barrier()  # read before the slot is reused
-    remove_slots(prefix)
+        if rank == 1:
+            trainer.open_weight_sender(plan, spec)
+        full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
+        slots = open_slots(slot_paths(prefix), plan.slot_numel)
+        synced = {}
+        for bucket in range(len(plan.buckets)):
+            trainer.write_weight_bucket(bucket)
+            dist.barrier()
+            if rank == 0:
+                synced |= {n: t.clone() for n, t in bucket_tensors(slots[bucket % 2], plan, bucket)}
+            dist.barrier()  # read before the slot is reused
+    finally:
+        remove_slots(prefix)
     return (synced, full) if rank == 0 else ({}, {})

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rl.algorithms.objective import Objective
+from rl.sync.shared_memory import channel_prefix, remove_slots
 from rl.types import Batch
 from tests.helpers.fsdp_ranks import free_port, make_batch, sync_between_ranks, trainer_config
 from trainer.policy import PolicyTrainer
@@ -69,12 +70,18 @@ def _layout(trainer: PolicyTrainer, batch: Batch) -> dict:
 
 
 def _strategies_main(
-    rank: int, model_dir: Path, ports: list[int], batches: list[Batch], out: Path
+    rank: int,
+    model_dir: Path,
+    channels: list[tuple[int, int, str]],
+    batches: list[Batch],
+    out: Path,
 ) -> None:
     """For each strategy in turn, in one process group of its own: log-probs, the first
     mini-batch's gradients, NUM_STEPS train steps, the parameters and a weight sync."""
     results = {}
-    for (label, overrides), (port, resume_port) in zip(STRATEGIES.items(), ports, strict=True):
+    for (label, overrides), (port, resume_port, prefix) in zip(
+        STRATEGIES.items(), channels, strict=True
+    ):
         trainer_overrides = {"lr": 1e-3, "micro_batch_size": 2, **overrides}
         cfg = trainer_config(model_dir, ALGORITHMS.get(label), **trainer_overrides)
         trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port)
@@ -85,9 +92,7 @@ def _strategies_main(
         trainer.optimizer.zero_grad(set_to_none=True)
         result["steps"] = [trainer.train_step(batch) for batch in batches]
         result["checksum"] = trainer.parameter_checksum()
-        result["synced"], result["params"] = sync_between_ranks(
-            trainer, rank, f"tandem-strategy-{port}"
-        )
+        result["synced"], result["params"] = sync_between_ranks(trainer, rank, prefix)
         trainer.save_checkpoint(str(out / label / "checkpoint"))
         trainer.export_hf(str(out / label / "hf"))
         trainer.close()
@@ -120,8 +125,14 @@ def strategies(
 ) -> dict:
     """Rank 0's results per strategy label."""
     out = tmp_path_factory.mktemp("strategies")
-    ports = [(free_port(), free_port()) for _ in STRATEGIES]
-    mp.spawn(_strategies_main, args=(tiny_model_dir, ports, batches, out), nprocs=2)
+    # Per strategy: its group's port, its resumed group's, and its weight-sync channel (this
+    # process's: removed here however the ranks end).
+    channels = [(free_port(), free_port(), channel_prefix()) for _ in STRATEGIES]
+    try:
+        mp.spawn(_strategies_main, args=(tiny_model_dir, channels, batches, out), nprocs=2)
+    finally:
+        for _, _, prefix in channels:
+            remove_slots(prefix)
     results = torch.load(out / "rank0.pt")
     for label, result in results.items():
         exported = AutoModelForCausalLM.from_pretrained(out / label / "hf", dtype=torch.float32)

@@ -4,7 +4,6 @@ weight-sync buffers and HF export, on the tiny checkpoints of tests/helpers/mode
 from __future__ import annotations
 
 import math
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,13 @@ from rl.algorithms.objective import Objective, loss_weights, policy_objective
 from rl.config import Config
 from rl.sync.pieces import bucket_tensors
 from rl.sync.plan import WeightSyncPlan, load_unit, plan_to_json, plan_weight_sync
-from rl.sync.shared_memory import SharedMemorySpec, open_slots, remove_slots, slot_paths
+from rl.sync.shared_memory import (
+    SharedMemorySpec,
+    channel_prefix,
+    open_slots,
+    remove_slots,
+    slot_paths,
+)
 from rl.types import Batch
 from tests.helpers.fsdp_ranks import (
     free_port,
@@ -42,7 +47,7 @@ LOSS_AGGS = (
 )
 
 
-def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> None:
+def _rank_main(rank: int, cfg: Config, port: int, prefix: str, batch: Batch, out: Path) -> None:
     trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port)
     result = {
         "logprobs": trainer.compute_logprobs(batch),
@@ -59,7 +64,7 @@ def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> No
         trainer.optimizer.zero_grad()
     # Still at the initial weights: the step's grad norm is that of the last aggregation.
     result["train_step"] = trainer.train_step(batch)
-    result["synced"], result["full"] = sync_between_ranks(trainer, rank, f"tandem-test-{port}")
+    result["synced"], result["full"] = sync_between_ranks(trainer, rank, prefix)
     torch.save(result, out / f"rank{rank}.pt")
     trainer.close()
 
@@ -72,7 +77,11 @@ def test_two_ranks_with_micro_batches_equal_one_full_batch(
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = make_batch(model, num_rows=9, seq_len=12, seed=0)
     cfg = trainer_config(tiny_model_dir, micro_batch_size=2)
-    mp.spawn(_rank_main, args=(cfg, free_port(), batch, tmp_path), nprocs=2)
+    prefix = channel_prefix()  # this process's: removed here however the ranks end
+    try:
+        mp.spawn(_rank_main, args=(cfg, free_port(), prefix, batch, tmp_path), nprocs=2)
+    finally:
+        remove_slots(prefix)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     logprobs, entropy = hf_logprobs(model, batch)
@@ -238,13 +247,13 @@ def _sync(group: list, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], Weig
     """The ranks write every bucket through the shared buffers; returns what a reader saw."""
     specs, shape = ray.get(group[0].weight_sync_spec.remote())
     plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=bucket_bytes)
-    prefix = f"tandem-test-{uuid.uuid4().hex[:8]}"
+    prefix = channel_prefix()
     spec = SharedMemorySpec(prefix)
-    ray.get(group[0].open_weight_sender.remote(plan_to_json(plan), spec))
-    ray.get(group[1].open_weight_sender.remote(plan_to_json(plan), spec))
-    slots = open_slots(slot_paths(prefix), plan.slot_numel)
     received: dict[str, torch.Tensor] = {}
     try:
+        ray.get(group[0].open_weight_sender.remote(plan_to_json(plan), spec))
+        ray.get(group[1].open_weight_sender.remote(plan_to_json(plan), spec))
+        slots = open_slots(slot_paths(prefix), plan.slot_numel)
         for bucket in range(len(plan.buckets)):
             ray.get([w.write_weight_bucket.remote(bucket) for w in group])
             for name, tensor in bucket_tensors(slots[bucket % 2], plan, bucket):

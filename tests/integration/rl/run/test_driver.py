@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from rl.checkpoint.export import export_checkpoint
 from rl.config import Config
 from rl.run.driver import RunAborted, train
+from rl.sync.shared_memory import SHM_DIR, owner_tag
 from tests.helpers.models import build_checkpoint, remove_pad_token
 from tests.helpers.tiny_runs import tiny_run_tree
 
@@ -73,9 +74,12 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
         "timeout_s": 1.0,
     }
     cfg = _config(shared_dir, tmp_path, "two-steps", reward=reward)
-    shm_before = set(Path("/dev/shm").glob("tandem-*"))
+    # This process is the driver: its channels' files, and only those (other runs may share
+    # /dev/shm), must be gone when the run ends.
+    own_slots = f"tandem-{owner_tag(os.getpid())}-*"
+    shm_before = set(SHM_DIR.glob(own_slots))
     final, records = _run(cfg)
-    assert set(Path("/dev/shm").glob("tandem-*")) == shm_before  # sync buffers deleted
+    assert set(SHM_DIR.glob(own_slots)) == shm_before  # sync buffers deleted
     run_dir = Path(cfg.run.output_dir) / "two-steps"
     assert [r["step"] for r in records] == [0, 1, 2]
     assert 0.0 <= records[0]["eval/accuracy"] <= 1.0
