@@ -127,7 +127,7 @@ class FunctionPool:
             output = sys.stderr
         else:
             Path(self._log_file).parent.mkdir(parents=True, exist_ok=True)
-            output = open(self._log_file, "ab")  # noqa: SIM115: the child keeps its own copy
+            output = open(self._log_file, "ab")  # the child keeps its own copy of the descriptor
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "rl.rewards.pool_worker", str(child_conn.fileno())],

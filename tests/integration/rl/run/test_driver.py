@@ -30,13 +30,15 @@ from tests.helpers.tiny_runs import tiny_run_tree
 pytestmark = pytest.mark.integration
 
 
-# Raises on responses starting with "1" and hangs on its first call: the run must go on.
+# Raises on responses starting with "1" and hangs on its first call: the run must go on. It
+# prints as it scores, which must land in the run's log, not the driver's output.
 FAULTY_REWARD = """
 import os
 import time
 
 
 def flaky(response, example):
+    print("flaky scores", repr(response), flush=True)
     if not os.path.exists(MARKER):
         open(MARKER, "w").close()
         time.sleep(1000)
@@ -65,7 +67,7 @@ def _run(cfg: Config) -> tuple[dict[str, float], list[dict]]:
 
 
 def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
-    shared_dir: Path, tmp_path: Path
+    shared_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture
 ) -> None:
     reward_file = tmp_path / "faulty_reward.py"
     reward_file.write_text(f"MARKER = {str(tmp_path / 'hung')!r}\n{FAULTY_REWARD}")
@@ -117,10 +119,13 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     assert before.keys() == after.keys()
     changed = [name for name in before if not torch.equal(before[name], after[name])]
     assert "lm_head.weight" in changed and len(changed) > len(before) // 2
-    # Not verbose: each actor wrote its output (vLLM's, transformers') to its own log file.
+    # Not verbose: each actor wrote its output (vLLM's, transformers') to its own log file,
+    # and the reward workers theirs (the user's prints) to one of their own.
     logs = {path.name: path.read_text() for path in (run_dir / "logs").iterdir()}
-    assert sorted(logs) == ["rollout-0.log", "trainer-0.log", "trainer-1.log"]
+    assert sorted(logs) == ["reward-workers.log", "rollout-0.log", "trainer-0.log", "trainer-1.log"]
     assert all(text.strip() for text in logs.values()), logs
+    assert "flaky scores" in logs["reward-workers.log"]
+    assert "flaky scores" not in capfd.readouterr().out
 
 
 def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(
