@@ -21,6 +21,7 @@ from rl.observe.memory import take_peak_memory_bytes
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.engines.contract import check_scorable, check_startable, decode_responses
+from rollout.engines.vllm_support import check_vllm
 
 if TYPE_CHECKING:
     import vllm
@@ -97,6 +98,7 @@ class VLLMEngine:
         num_threads = _configure_environment()
         import vllm
 
+        check_vllm(vllm)
         args = engine_args(model_path, cfg, dtype, seed)
         self._cfg = cfg
         self._can_sleep = args["enable_sleep_mode"]
