@@ -54,8 +54,7 @@ def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> d
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        if cfg.kv_cache_gb <= 0:
-            raise ValueError(f"rollout.kv_cache_gb={cfg.kv_cache_gb} must be positive")
+        assert cfg.kv_cache_gb > 0, "recipe checks refuse rollout.kv_cache_gb <= 0"
         memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
     else:
         memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
