@@ -27,7 +27,7 @@ from rl.algorithms.off_policy import (
 from rl.cluster.memory_plan import ModelShape
 from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
 from rl.config import AlgorithmConfig, Config
-from rl.observe.flops import peak_flops, train_flops_per_token
+from rl.observe.flops import peak_flops, train_flops
 from rl.rewards import RewardScorer
 from rl.run.batching import build_batch, per_sample
 from rl.sync.weight_sync import WeightSync
@@ -211,8 +211,8 @@ class TrainerSide:
         """The train step's model TFLOP/s (rl.observe.flops), and its MFU on GPUs of known peak."""
         if self._shape is None:
             return {}
-        mean_length = batch.attention_mask.sum(dim=1).float().mean().item()
-        achieved = train_flops_per_token(self._shape, mean_length) * tokens_per_s
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        achieved = train_flops(self._shape, lengths) / sum(lengths) * tokens_per_s
         metrics = {"perf/train_tflops": achieved / 1e12}
         if (peak := peak_flops(self.trainers.device_name)) is not None:
             metrics["perf/mfu"] = achieved / (peak * self.cfg.trainer.num_workers)

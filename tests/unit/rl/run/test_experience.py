@@ -7,6 +7,7 @@ that decides with which tensors each sample trains.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from rl.algorithms.off_policy import proximal_from_forward, recomputes_old_logprobs
 from rl.config import Config
+from rl.run import experience
 from rl.run.experience import (
     KLController,
     StreamingScorer,
@@ -150,6 +152,8 @@ def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> No
 class _Ranks:
     """Trainer or critic ranks that record the batch they train on."""
 
+    device_name = "cpu"
+
     def __init__(self) -> None:
         self.trained: list[Batch] = []
 
@@ -181,3 +185,27 @@ def test_under_token_mis_the_critic_trains_on_every_response_token_and_the_polic
         policy.trained[0].loss_mask, torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
     )
     assert critic.trained[0].is_weights is None
+
+
+def test_mfu_is_the_batchs_model_flops_a_token_times_the_tokens_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = _config()
+    cfg.model.path = str(tmp_path)
+    batches: list[list[float]] = []
+
+    def train_flops(shape: object, lengths: list[float]) -> float:
+        batches.append(lengths)
+        return 14e12
+
+    monkeypatch.setattr(experience, "train_flops", train_flops)
+    side = TrainerSide(cfg, _Ranks(), None, weight_sync=None, pad_id=0)
+    try:
+        metrics = side.train(1, _samples(), [1.0, 0.0]).result(timeout=30)
+    finally:
+        side.close()
+    assert batches == [[4, 3]]  # prompt and response tokens of each sample
+    assert metrics["perf/train_tflops"] == 2.0  # 14e12 FLOPs over 7 tokens, at 1 token/s
