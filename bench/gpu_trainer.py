@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from rl.algorithms.objective import Objective
 from rl.cluster.memory_plan import ModelShape
 from rl.config import Config
-from rl.observe.flops import peak_flops, train_flops_per_token
+from rl.observe.flops import peak_flops, train_flops
 from rl.types import Batch
 from trainer.policy import PolicyTrainer
 
@@ -174,7 +174,7 @@ def _report(rows: list, shape: ModelShape, args: argparse.Namespace, device: tor
     batch = rows[0][1]
     trained = float(batch.attention_mask.sum())
     generated = args.prompts * args.group_size * args.new_tokens
-    flops = trained * train_flops_per_token(shape, batch.input_ids.shape[1])
+    flops = train_flops(shape, batch.attention_mask.sum(dim=1).tolist())
     peak = _peak_flops(args)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

@@ -62,11 +62,7 @@ class PolicyTrainer(RoleRank):
         master_port: int,
     ) -> None:
         """`objective` is the loss to minimise (the driver's `rl.algorithms.objective`)."""
-        if cfg.rollout.temperature <= 0:
-            raise ValueError(
-                f"rollout.temperature={cfg.rollout.temperature}: trainer log-probs need a "
-                "temperature > 0"
-            )
+        assert cfg.rollout.temperature > 0, "recipe checks refuse rollout.temperature <= 0"
         check_batching(cfg.trainer)
         assert (
             not cfg.trainer.skip_zero_advantage_rows or objective.zero_advantage_rows_are_inert

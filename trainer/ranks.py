@@ -47,10 +47,10 @@ def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
 
 
 def check_batching(cfg: TrainerConfig) -> None:
-    """Reject micro-batch / mini-batch / epoch counts below one (a user error)."""
+    """Micro-batch, mini-batch and epoch counts are at least one (the recipe checks refuse
+    the rest before any rank starts)."""
     for name in ("micro_batch_size", "num_mini_batches", "num_epochs"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"trainer.{name}={getattr(cfg, name)} < 1")
+        assert getattr(cfg, name) >= 1, f"recipe checks refuse trainer.{name} < 1"
 
 
 def init_rank(

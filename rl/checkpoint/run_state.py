@@ -29,7 +29,7 @@ class DriverState:
     first_group_id: int  # the first group no step up to `step` trained on
     prompt_stream: dict  # PromptStream.state_dict() right before that group was drawn
     kl_coef: float
-    accuracy_before: float
+    accuracy_before: float | None  # None: the run started with evaluation off
     num_nonfinite_in_a_row: int = 0
     # Groups from first_group_id on that a step up to `step` trained (dynamic sampling can
     # start a step's replacement group after the next step's first): passed over on resume.

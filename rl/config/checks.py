@@ -15,6 +15,23 @@ class ConfigError(ValueError):
 
 def check_consistency(cfg: Config, path: Path | str) -> None:
     """Cross-field rules that the field types cannot express."""
+    # First: the rules below divide by some of these.
+    for key, value, minimum in (
+        ("trainer.num_workers", cfg.trainer.num_workers, 1),
+        ("trainer.micro_batch_size", cfg.trainer.micro_batch_size, 1),
+        ("trainer.num_mini_batches", cfg.trainer.num_mini_batches, 1),
+        ("trainer.num_epochs", cfg.trainer.num_epochs, 1),
+        ("rollout.num_workers", cfg.rollout.num_workers, 1),
+        ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size, 1),
+        ("run.num_steps", cfg.run.num_steps, 1),
+        ("run.eval_every", cfg.run.eval_every, 0),
+        ("run.num_eval_prompts", cfg.run.num_eval_prompts, 0),
+        ("checkpoint.every", cfg.checkpoint.every, 0),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
+        ("faults.max_nonfinite_steps", cfg.faults.max_nonfinite_steps, 1),
+    ):
+        if value < minimum:
+            raise ConfigError(f"{path}: {key} must be >= {minimum}, got {value}")
     num_sequences = cfg.run.prompts_per_step * cfg.algorithm.group_size
     per_step = cfg.trainer.num_workers * cfg.trainer.num_mini_batches
     if num_sequences % per_step:
@@ -27,14 +44,6 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     _check_trainer(cfg, path)
     _check_rollout(cfg, path)
     _check_scheduler(cfg, path)
-    for key, value in {
-        "trainer.num_workers": cfg.trainer.num_workers,
-        "rollout.num_workers": cfg.rollout.num_workers,
-        "run.num_steps": cfg.run.num_steps,
-        "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
-    }.items():
-        if value < 1:
-            raise ConfigError(f"{path}: {key} must be >= 1, got {value}")
 
 
 def _check_trainer(cfg: Config, path: Path | str) -> None:
@@ -83,6 +92,19 @@ def _check_rollout(cfg: Config, path: Path | str) -> None:
     from rollout.engines.registry import ENGINES
 
     rollout = cfg.rollout
+    if rollout.temperature <= 0:
+        # The trainer scores log_softmax(logits / T); greedy decoding has no such policy.
+        raise ConfigError(
+            f"{path}: rollout.temperature={rollout.temperature}: training samples at a "
+            "temperature > 0, which the trainer's log-probs divide the logits by"
+        )
+    if rollout.kv_cache_gb <= 0:
+        raise ConfigError(f"{path}: rollout.kv_cache_gb must be > 0, got {rollout.kv_cache_gb}")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"{path}: rollout.gpu_memory_utilization is a fraction of each GPU's memory, in "
+            f"(0, 1]; got {rollout.gpu_memory_utilization}"
+        )
     if rollout.top_p != 1.0:
         # The engines record each token's log-prob renormalised over the nucleus (vLLM's
         # processed log-probs), the trainer the full softmax's: every ratio and importance

@@ -85,7 +85,11 @@ class RunConfig(Section):
     eval_every: int = Field(
         10, description="Evaluate held-out greedy accuracy every N steps (0 = start/end only)."
     )
-    num_eval_prompts: int = Field(200, description="Held-out prompts per evaluation.")
+    num_eval_prompts: int = Field(
+        200,
+        description="Held-out prompts per evaluation (0 = no evaluation: no eval/accuracy, "
+        "eval_every ignored).",
+    )
     export_hf: bool = Field(
         True, description="Export the final policy as an HF checkpoint in the run directory."
     )

@@ -1,13 +1,18 @@
 """Training FLOPs from the model's config, and device peaks: model FLOPs utilisation (MFU).
 
-MFU counts the FLOPs the model needs, not those the run spends: 6 N per trained token for the
-matmuls of forward and backward (N parameters, embeddings included) plus causal attention's
-score and value products, 6 L H d T / 2 per token at sequence length T. Recomputation
-(activation checkpointing) and the log-prob pass before training are not counted, as in
-PaLM's definition.
+MFU counts the FLOPs the model needs, not those the run spends, by PaLM's definition
+(Chowdhery et al. 2022, Appendix B): 6 N + 12 L H Q T per trained token at sequence length T.
+6 N is the matmuls of forward and backward (N parameters, embeddings included); 12 L H Q T is
+attention's two products over the sequence, the scores Q K^T and their weighted sum of V: each
+Q T multiply-adds (2 Q T FLOPs) per token, head and layer forward, twice that in backward (L
+layers, H heads of Q dimensions). The half that the causal mask skips is counted too, as PaLM
+counts it, so that the MFU compares with other systems' reports. Recomputation (activation
+checkpointing) and the log-prob pass before training are not counted.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from rl.cluster.memory_plan import ModelShape
 
@@ -17,8 +22,14 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 
 def train_flops_per_token(shape: ModelShape, seq_len: float) -> float:
     """Model FLOPs of one trained token in sequences of `seq_len` tokens."""
-    attention = 6 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len / 2
+    attention = 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
     return 6 * shape.num_params + attention
+
+
+def train_flops(shape: ModelShape, lengths: Sequence[float]) -> float:
+    """Model FLOPs of training once on sequences of `lengths` tokens. A token's attention
+    spans its own sequence, so a batch of mixed lengths needs more than its mean length says."""
+    return sum(length * train_flops_per_token(shape, length) for length in lengths)
 
 
 def peak_flops(device_name: str) -> float | None:

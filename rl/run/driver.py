@@ -3,8 +3,9 @@
 The loop itself (rl.run.scheduler.loop) reads: generate and score groups as admission allows, annotate
 them (old/reference log-probs, values), train a step, sync its weights; with
 scheduler.max_staleness > 0 generation of the next steps overlaps training. Held-out greedy
-evaluation runs every `run.eval_every` versions, checkpoints every `checkpoint.every` steps
-and at the end, and the final policy is exported to HF.
+evaluation runs every `run.eval_every` versions (never with `run.num_eval_prompts=0`),
+checkpoints every `checkpoint.every` steps and at the end, and the final policy is exported
+to HF.
 
 What goes wrong is absorbed here: a SIGTERM/SIGINT stops after the current step with a
 checkpoint; a trainer or critic rank that dies rebuilds every role from the last checkpoint;
@@ -59,7 +60,8 @@ class RunAborted(RuntimeError):
 
 def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     """Run `cfg` to the end, from checkpoint `resume_from` if given (see rl.checkpoint.resume); returns
-    the last step's metrics (with eval/accuracy_before and the run/* totals)."""
+    the last step's metrics (with the run/* totals, and eval/accuracy_before unless the run
+    started with evaluation off)."""
     # Bad config or data rows stop the run here, before a base is built or Ray starts.
     limit = prompt_token_limit(cfg)
     examples = {split: load_examples(cfg.data, split) for split in ("train", "test")}
@@ -276,11 +278,14 @@ def _train_steps(
             )
             break
     run_summary = loop.trace.summary(start, time.perf_counter())
-    metrics["eval/accuracy_before"] = state.accuracy_before
+    if state.accuracy_before is not None:
+        metrics["eval/accuracy_before"] = state.accuracy_before
     metrics.update({key.replace("perf/", "run/"): value for key, value in run_summary.items()})
     if "eval/accuracy" in metrics and not stop.signal_name:
+        # A resume may turn evaluation on (run.num_eval_prompts) after a start without it.
+        before = "" if state.accuracy_before is None else f"{state.accuracy_before:.1%} before -> "
         logger.print(
-            f"held-out greedy accuracy: {state.accuracy_before:.1%} before -> "
+            f"held-out greedy accuracy: {before}"
             f"{metrics['eval/accuracy']:.1%} after {cfg.run.num_steps} steps; the device pool "
             f"was busy {metrics.get('run/busy_fraction', 0):.0%} of the time, generation and "
             f"training overlapped {metrics.get('run/overlap_fraction', 0):.0%}"
@@ -324,6 +329,11 @@ class _Loop:
             del self._stream_states[old]
         return self._stream_states.get(group_id, self.prompts_stream.state_dict())
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates held-out accuracy: run.num_eval_prompts=0 turns it off."""
+        return self.cfg.run.num_eval_prompts > 0
+
     def held_out_accuracy(self) -> float:
         for lane in self._rollout_lanes:
             self.trace.begin(lane, "eval")
@@ -332,20 +342,23 @@ class _Loop:
             self.trace.end(lane, "eval")
         return accuracy
 
-    def accuracy_before(self, data_counts: dict[str, float]) -> float:
-        """Step 0's record: held-out accuracy, the data rows skipped or filtered, and the
-        rollout's peak memory since it started."""
-        accuracy = self.held_out_accuracy()
-        self.logger.print(f"held-out greedy accuracy before RL: {accuracy:.1%}")
+    def accuracy_before(self, data_counts: dict[str, float]) -> float | None:
+        """Step 0's record: held-out accuracy (None with evaluation off), the data rows skipped
+        or filtered, and the rollout's peak memory since it started."""
+        accuracy = None
+        if self.evaluates:
+            accuracy = self.held_out_accuracy()
+            self.logger.print(f"held-out greedy accuracy before RL: {accuracy:.1%}")
         dropped = {key: n for key, n in data_counts.items() if n}
         if dropped:
             self.logger.print(f"data rows left out: {dropped}")
         # The rollout's peak so far (startup, this evaluation) goes here, not into step 1's.
         peak = {"memory/rollout_peak_mb": self.rollout.peak_memory_mb()}
-        self.logger.log(0, {"eval/accuracy": accuracy, **data_counts, **peak})
+        held_out = {} if accuracy is None else {"eval/accuracy": accuracy}
+        self.logger.log(0, {**held_out, **data_counts, **peak})
         return accuracy
 
     def on_version(self, version: int) -> dict[str, float]:
         every = self.cfg.run.eval_every
         due = version == self.cfg.run.num_steps or (every and version % every == 0)
-        return {"eval/accuracy": self.held_out_accuracy()} if due else {}
+        return {"eval/accuracy": self.held_out_accuracy()} if due and self.evaluates else {}

@@ -9,6 +9,7 @@ read, and tested, in one place.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from rl.algorithms.off_policy import (
 from rl.cluster.memory_plan import ModelShape
 from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
 from rl.config import AlgorithmConfig, Config
-from rl.observe.flops import peak_flops, train_flops_per_token
+from rl.observe.flops import peak_flops, train_flops
 from rl.rewards import RewardScorer
 from rl.run.batching import build_batch, per_sample
 from rl.sync.weight_sync import WeightSync
@@ -116,9 +117,14 @@ def prepare_batch(
     scores: list[float],
     pad_id: int,
     kl_controller: KLController,
-) -> tuple[Batch, dict[str, float]]:
-    """The training batch of annotated `samples` with sequence rewards `scores` [B]: KL
-    penalty, advantages, then off-policy weights (measured from the proximal log-probs)."""
+) -> tuple[Batch, Batch, dict[str, float]]:
+    """The training batches of annotated `samples` with sequence rewards `scores` [B]: KL
+    penalty, advantages, then off-policy weights (measured from the proximal log-probs).
+
+    Returns the policy's batch, the critic's and metrics. They differ only in what the
+    off-policy correction changes: the critic's batch keeps every response token in its loss
+    mask, since a value target does not depend on which policy sampled the token.
+    """
     algo = cfg.algorithm
     batch = build_batch(samples, pad_id)
     metrics: dict[str, float] = {}
@@ -142,14 +148,16 @@ def prepare_batch(
     )
     metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
 
+    critic_batch = batch
     correction = cfg.algorithm.off_policy
     if OFF_POLICY_CORRECTIONS.traits(correction).needs_proximal and not proximal_from_forward(cfg):
-        batch.is_weights, batch.loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
+        is_weights, loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
             batch.old_logprobs, batch.behaviour_logprobs, mask, algo
         )
-        metrics["off_policy/kept_token_frac"] = (batch.loss_mask.sum() / mask.sum()).item()
-        metrics["off_policy/weight_mean"] = masked_mean(batch.is_weights, batch.loss_mask).item()
-    return batch, metrics
+        batch = dataclasses.replace(batch, is_weights=is_weights, loss_mask=loss_mask)
+        metrics["off_policy/kept_token_frac"] = (loss_mask.sum() / mask.sum()).item()
+        metrics["off_policy/weight_mean"] = masked_mean(is_weights, loss_mask).item()
+    return batch, critic_batch, metrics
 
 
 class TrainerSide:
@@ -190,19 +198,21 @@ class TrainerSide:
     def _train(self, samples: list[Sample], scores: list[float]) -> dict[str, float]:
         if not samples:  # dynamic sampling found no informative group: nothing to learn
             return {}
-        batch, metrics = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller)
+        batch, critic_batch, metrics = prepare_batch(
+            self.cfg, samples, scores, self.pad_id, self.kl_controller
+        )
         metrics.update(self.trainers.train_step(batch))
         metrics.update(self._utilisation(batch, metrics["timing/train_tokens_per_s"]))
         if self.critic is not None:
-            metrics.update(self.critic.train_step(batch))
+            metrics.update(self.critic.train_step(critic_batch))
         return metrics
 
     def _utilisation(self, batch: Batch, tokens_per_s: float) -> dict[str, float]:
         """The train step's model TFLOP/s (rl.observe.flops), and its MFU on GPUs of known peak."""
         if self._shape is None:
             return {}
-        mean_length = batch.attention_mask.sum(dim=1).float().mean().item()
-        achieved = train_flops_per_token(self._shape, mean_length) * tokens_per_s
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        achieved = train_flops(self._shape, lengths) / sum(lengths) * tokens_per_s
         metrics = {"perf/train_tflops": achieved / 1e12}
         if (peak := peak_flops(self.trainers.device_name)) is not None:
             metrics["perf/mfu"] = achieved / (peak * self.cfg.trainer.num_workers)

@@ -21,6 +21,7 @@ from rl.observe.memory import take_peak_memory_bytes
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.engines.contract import check_scorable, check_startable, decode_responses
+from rollout.engines.vllm_support import check_vllm
 
 if TYPE_CHECKING:
     import vllm
@@ -53,8 +54,7 @@ def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> d
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        if cfg.kv_cache_gb <= 0:
-            raise ValueError(f"rollout.kv_cache_gb={cfg.kv_cache_gb} must be positive")
+        assert cfg.kv_cache_gb > 0, "recipe checks refuse rollout.kv_cache_gb <= 0"
         memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
     else:
         memory = {"gpu_memory_utilization": cfg.gpu_memory_utilization}
@@ -97,6 +97,7 @@ class VLLMEngine:
         num_threads = _configure_environment()
         import vllm
 
+        check_vllm(vllm)
         args = engine_args(model_path, cfg, dtype, seed)
         self._cfg = cfg
         self._can_sleep = args["enable_sleep_mode"]

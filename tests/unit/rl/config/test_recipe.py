@@ -146,3 +146,32 @@ def test_the_same_algorithms_compose_where_their_definitions_hold() -> None:
             "algorithm.kl_estimator=k1",
         ],
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("rollout.temperature=0", "rollout.temperature=0.0: training samples at a temperature > 0"),
+        ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb must be > 0, got 0.0"),
+        ("rollout.gpu_memory_utilization=1.5", r"rollout.gpu_memory_utilization .* \(0, 1\]"),
+        ("rollout.tensor_parallel_size=0", "rollout.tensor_parallel_size must be >= 1, got 0"),
+        ("trainer.num_workers=0", "trainer.num_workers must be >= 1, got 0"),
+        ("trainer.num_mini_batches=0", "trainer.num_mini_batches must be >= 1, got 0"),
+        ("trainer.num_epochs=0", "trainer.num_epochs must be >= 1, got 0"),
+        ("run.num_eval_prompts=-1", "run.num_eval_prompts must be >= 0, got -1"),
+        ("run.eval_every=-1", "run.eval_every must be >= 0, got -1"),
+        ("checkpoint.every=-1", "checkpoint.every must be >= 0, got -1"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1, got 0"),
+        ("faults.max_nonfinite_steps=0", "faults.max_nonfinite_steps must be >= 1, got 0"),
+    ],
+)
+def test_values_the_actors_would_refuse_are_refused_by_the_recipe_checks(
+    override: str, error: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"grpo_addition_cpu.yaml: {error}"):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", [override])
+
+
+def test_no_eval_prompts_is_a_run_without_evaluation() -> None:
+    cfg = load_config(REPO / "recipes/grpo_addition_cpu.yaml", ["run.num_eval_prompts=0"])
+    assert cfg.run.num_eval_prompts == 0

@@ -7,13 +7,23 @@ that decides with which tensors each sample trains.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from rl.algorithms.off_policy import proximal_from_forward, recomputes_old_logprobs
 from rl.config import Config
-from rl.run.experience import KLController, StreamingScorer, annotate_samples, prepare_batch
-from rl.types import Sample
+from rl.run import experience
+from rl.run.experience import (
+    KLController,
+    StreamingScorer,
+    TrainerSide,
+    annotate_samples,
+    prepare_batch,
+)
+from rl.types import Batch, Sample
 
 GROUP = 2
 
@@ -83,7 +93,7 @@ def test_annotation_fills_each_samples_response_tokens_only() -> None:
 def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
     cfg = _config(recompute_old_logprobs=True, off_policy="token-tis", is_cap=1.5)
     samples = annotate_samples(cfg, _samples(), 0, _Trainers(shift=1.0), None)
-    batch, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, KLController(cfg.algorithm))
+    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, KLController(cfg.algorithm))
     assert metrics["off_policy/max_abs_logprob_gap"] == pytest.approx(1.0)
     # exp(1) > 1.5: every response token's weight is truncated at the cap.
     assert batch.is_weights[batch.loss_mask.bool()].tolist() == pytest.approx([1.5] * 3)
@@ -102,7 +112,7 @@ def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     samples = annotate_samples(cfg, _samples(), 0, trainers, None)
     assert trainers.calls == ["reference"]
     controller = KLController(cfg.algorithm)
-    batch, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller)
+    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller)
     # k1 = old - ref per token: old is behaviour (-0.5), ref is behaviour + 1.0.
     assert metrics["kl/reward_penalty"] == pytest.approx((2 * -1.0 + 1 * -1.0) / 2)
     assert metrics["kl/coef"] == 0.1 and controller.coef != 0.1
@@ -134,6 +144,68 @@ def test_a_separate_pass_recomputes_the_proximal_policy_when_the_forward_cannot(
 
 def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> None:
     cfg = _config(scheduler={"max_staleness": 1}, off_policy="token-tis")
-    batch, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
+    batch, _, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
     assert batch.is_weights is None and "off_policy/weight_mean" not in metrics
     assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)
+
+
+class _Ranks:
+    """Trainer or critic ranks that record the batch they train on."""
+
+    device_name = "cpu"
+
+    def __init__(self) -> None:
+        self.trained: list[Batch] = []
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        self.trained.append(batch)
+        return {"timing/train_tokens_per_s": 1.0}
+
+
+def test_under_token_mis_the_critic_trains_on_every_response_token_and_the_policy_on_the_kept(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")  # no shape: no MFU
+    cfg = _config(advantage="gae", off_policy="token-mis", is_low=0.5, is_high=2.0)
+    cfg.model.path = str(tmp_path)
+    samples = _samples()
+    # Proximal against behaviour (-0.5): sample 0's second token has ratio exp(1.5) > is_high.
+    samples[0].old_logprobs, samples[1].old_logprobs = [-0.5, 1.0], [-0.5]
+    samples[0].values, samples[1].values = [0.1, 0.2], [0.3]
+    policy, critic = _Ranks(), _Ranks()
+    side = TrainerSide(cfg, policy, critic, weight_sync=None, pad_id=0)
+    try:
+        side.train(1, samples, [1.0, 0.0]).result(timeout=30)
+    finally:
+        side.close()
+    # Rows [1, 2, 3, 4] and [1, 2, 3, pad]: targets 3 and 4, and 3, are the responses.
+    response = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    assert torch.equal(critic.trained[0].loss_mask, response)
+    assert torch.equal(
+        policy.trained[0].loss_mask, torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    )
+    assert critic.trained[0].is_weights is None
+
+
+def test_mfu_is_the_batchs_model_flops_a_token_times_the_tokens_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = _config()
+    cfg.model.path = str(tmp_path)
+    batches: list[list[float]] = []
+
+    def train_flops(shape: object, lengths: list[float]) -> float:
+        batches.append(lengths)
+        return 14e12
+
+    monkeypatch.setattr(experience, "train_flops", train_flops)
+    side = TrainerSide(cfg, _Ranks(), None, weight_sync=None, pad_id=0)
+    try:
+        metrics = side.train(1, _samples(), [1.0, 0.0]).result(timeout=30)
+    finally:
+        side.close()
+    assert batches == [[4, 3]]  # prompt and response tokens of each sample
+    assert metrics["perf/train_tflops"] == 2.0  # 14e12 FLOPs over 7 tokens, at 1 token/s
