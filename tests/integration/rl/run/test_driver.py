@@ -296,14 +296,15 @@ def test_overlapped_runs_stay_within_their_staleness_bound_and_trace_every_phase
 def test_steps_with_a_nan_loss_are_skipped_and_too_many_stop_the_run_with_a_checkpoint(
     shared_dir: Path, tmp_path: Path
 ) -> None:
-    # Finite in the reward worker (which refuses NaN), inf once rewards are float32: every
-    # advantage, loss and gradient is NaN.
+    # A reward finite in float32 (non-finite ones score 0), but REINFORCE++'s whitening over
+    # the batch overflows summing it: every advantage, loss and gradient is NaN.
     reward_file = tmp_path / "huge_reward.py"
-    reward_file.write_text("def huge(response, example):\n    return 1e300\n")
+    reward_file.write_text("def huge(response, example):\n    return 3e38\n")
     cfg = _config(
         shared_dir,
         tmp_path,
         "nan",
+        algorithm={"advantage": "reinforce_pp"},
         reward={"terms": [{"name": f"{reward_file}:huge"}]},
         faults={"max_nonfinite_steps": 2},
         run={"num_steps": 4},

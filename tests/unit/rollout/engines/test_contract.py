@@ -34,9 +34,9 @@ def test_each_engine_implements_every_call_with_the_contracts_parameters(engine:
         if isinstance(ours, property):
             assert isinstance(theirs, property), name
             continue
-        assert inspect.signature(theirs).parameters.keys() == (
-            inspect.signature(ours).parameters.keys()
-        ), name
+        # Private parameters are a framework's (Ray's tracing adds `_ray_trace_ctx`).
+        public = [p for p in inspect.signature(theirs).parameters if not p.startswith("_")]
+        assert public == list(inspect.signature(ours).parameters), name
 
 
 def test_the_registry_lists_both_engines_and_only_vllm_shards_or_compiles() -> None:
