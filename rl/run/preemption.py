@@ -45,6 +45,9 @@ class StopRequest:
             flush=True,
         )
 
+    def _on_late_signal(self, signum: int, frame: object) -> None:
+        self._on_signal(signum)
+
     def _watch(self, read_fd: int) -> None:
         """Act on each signal number written to the wakeup fd, until its write end closes."""
         while data := os.read(read_fd, 64):
@@ -79,7 +82,10 @@ class StopRequest:
             yield self
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                # After a stop request the process is on its way out (its shutdown can end
+                # before a user's second Ctrl-C lands): a later signal must still exit at once,
+                # taking whatever this process started with it.
+                signal.signal(sig, handler if self.signal_name is None else self._on_late_signal)
             signal.set_wakeup_fd(previous_fd)
             os.close(self._write_fd)  # the watcher reads EOF and ends
             self._write_fd = None

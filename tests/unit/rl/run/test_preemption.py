@@ -16,6 +16,7 @@ from contextlib import contextmanager
 _CHILD = textwrap.dedent(
     """
     import signal
+    import time
     import torch
     from rl.run.preemption import StopRequest
 
@@ -28,14 +29,15 @@ _CHILD = textwrap.dedent(
             matrix @ matrix
         print("after the loop:", stop.signal_name, flush=True)
     print("handler restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    time.sleep({linger_s})  # a process on its way out, after the block
     """
 )
 
 
 @contextmanager
-def _child(num_matmuls: int) -> Iterator[subprocess.Popen]:
+def _child(num_matmuls: int, linger_s: float = 0.0) -> Iterator[subprocess.Popen]:
     """The child, started and into its first matmul; killed if a test leaves it running."""
-    code = _CHILD.format(num_matmuls=num_matmuls)
+    code = _CHILD.format(num_matmuls=num_matmuls, linger_s=linger_s)
     process = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -62,11 +64,22 @@ def test_two_signals_while_the_main_thread_is_in_c_code_exit_at_once() -> None:
     assert "after the loop" not in stdout
 
 
-def test_one_signal_is_recorded_and_the_block_runs_on_then_restores_the_handler() -> None:
-    with _child(4) as process:
+def test_one_signal_is_recorded_and_the_block_runs_on_and_a_later_one_still_exits_at_once() -> None:
+    with _child(4, linger_s=60) as process:
         os.kill(process.pid, signal.SIGINT)
+        assert process.stdout.readline() == "after the loop: SIGINT\n"
+        assert process.stdout.readline() == "handler restored: False\n"
+        # Past the block, as a driver shutting down after its checkpoint: Ctrl-C again.
+        os.kill(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGINT, stderr
+    assert "SIGINT: finishing the current step" in stderr
+    assert "second SIGINT: exiting now" in stderr
+
+
+def test_without_a_signal_the_block_restores_the_handler() -> None:
+    with _child(1) as process:
         stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
-    assert "SIGINT: finishing the current step" in stderr
-    assert "after the loop: SIGINT" in stdout
+    assert "after the loop: None" in stdout
     assert "handler restored: True" in stdout
