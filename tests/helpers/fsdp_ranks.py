@@ -27,6 +27,8 @@ def trainer_config(model_dir: Path, algorithm: dict | None = None, **trainer: ob
             "rollout": {"temperature": TEMPERATURE},
             "trainer": {"num_workers": 2, "logprob_chunk_size": 7, **trainer},
             "algorithm": {"kl_coef": 0.1, "entropy_coef": 0.01, **(algorithm or {})},
+            # Actors log to Ray, not to a run directory under the working directory.
+            "run": {"verbose": True},
         }
     )
 

@@ -33,6 +33,8 @@ def _config(model_dir: Path, num_workers: int, value_clip: float, passes: int = 
                 "num_epochs": passes,
             },
             "critic": {"num_workers": num_workers, "lr": 1e-3, "value_clip": value_clip},
+            # Actors log to Ray, not to a run directory under the working directory.
+            "run": {"verbose": True},
         }
     )
 

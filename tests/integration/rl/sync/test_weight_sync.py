@@ -115,6 +115,8 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
                 "compile": True if request.param in COMPILED else None,
             },
             "trainer": {"num_workers": 2, "lr": 1e-2},
+            # Actors log to Ray, not to a run directory under the working directory.
+            "run": {"verbose": True},
         }
     )
     placement = reserve(cfg)
