@@ -1,14 +1,17 @@
-"""The fused LM-head log-prob/entropy kernels on a GPU: speed, peak memory, correctness.
+"""The LM-head log-prob/entropy paths on a GPU: speed, peak memory, correctness.
 
     python bench/gpu_kernels.py                # CUDA machine: check + table, under 5 minutes
     python bench/gpu_kernels.py --check-only   # only the small fp32 check (CPU: interpreter)
 
-At bf16, N=16384 tokens, d=3584, V=152064 (a Qwen2.5-7B head) it times one forward+backward,
-with random upstream gradients for both logprob and entropy, of (a) the Triton kernels,
-(b) the naive path through the full fp32 [N, V] logits, (c) torch.compile of the chunked
-PyTorch path, and (d) cuBLAS doing just the three matmuls of the same shapes (6NdV FLOPs), and
-prints a markdown table for docs/benchmarks.md. First it checks Triton against the PyTorch path
-at a small fp32 shape (against fp64 too). The check alone runs on a CPU-only machine, under
+At bf16, N=16384 tokens and the LM heads of Qwen2.5-7B (d=3584, V=152064) and Qwen2.5-0.5B
+(d=896, V=151936) it times one forward+backward, with random upstream gradients for both
+logprob and entropy, and one no-grad forward, of (a) the Triton path (fused Triton forward,
+chunked backward) and (b) the chunked PyTorch path (cuBLAS matmuls with fp32 outputs), each at
+three chunk shapes, (c) torch.compile of the chunked path, (d) the naive path through the full
+[N, V] logits, and (e) cuBLAS doing just the three matmuls of the same shapes (6NdV FLOPs),
+and prints markdown tables for
+docs/benchmarks.md. First it checks Triton against the PyTorch path at a small shape in fp32
+and bf16 (against fp64 too). The fp32 check alone runs on a CPU-only machine, under
 TRITON_INTERPRET=1.
 """
 
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 IGNORE = -100
+SHAPES = ((3584, 152064), (896, 151936))  # LM heads (d, V) of Qwen2.5-7B and Qwen2.5-0.5B
 Fn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -57,11 +61,17 @@ def dispatched(backend: str, **chunks: int) -> Fn:
     return fn
 
 
-def triton_direct(hidden, weight, targets, temperature, vocab_size):
-    """The Triton kernels without the dispatcher's validation and ignored-row gather."""
+def triton_direct(chunk_size: int, vocab_chunk_size: int) -> Fn:
+    """The Triton path without the dispatcher's validation and ignored-row gather."""
     from kernels.logprobs_triton import triton_logprobs
 
-    return triton_logprobs(hidden, weight, targets, temperature, IGNORE, vocab_size)
+    def fn(hidden, weight, targets, temperature, vocab_size):
+        return triton_logprobs(
+            hidden, weight, targets, temperature, IGNORE, vocab_size,
+            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+        )  # fmt: skip
+
+    return fn
 
 
 def make_inputs(n, d, v, vocab_size, dtype, device, seed=0, ignored=0.1):
@@ -86,9 +96,11 @@ def fwd_bwd(fn: Fn, inputs, vocab_size: int) -> list[torch.Tensor]:
     return [logprob.detach(), entropy.detach(), hidden.grad, weight.grad]
 
 
-def check(device: str, n: int, d: int, v: int, vocab_size: int) -> str:
-    """Max abs differences, fp32 inputs: Triton vs the PyTorch path, each vs fp64 (markdown)."""
-    inputs = make_inputs(n, d, v, vocab_size, torch.float32, device)
+def check(device: str, n: int, d: int, v: int, vocab_size: int, dtype: torch.dtype) -> str:
+    """Max abs differences: Triton vs the PyTorch path, each vs fp64 on the same (rounded)
+    inputs (markdown). At bf16 on CUDA the PyTorch path's matmuls are cuBLAS's, with fp32
+    outputs."""
+    inputs = make_inputs(n, d, v, vocab_size, dtype, device)
     results = {
         "triton": fwd_bwd(dispatched("triton"), inputs, vocab_size),
         "torch": fwd_bwd(dispatched("torch"), inputs, vocab_size),
@@ -97,7 +109,7 @@ def check(device: str, n: int, d: int, v: int, vocab_size: int) -> str:
     as64 = [t.detach().double().requires_grad_() for t in (hidden, weight)]
     results["fp64"] = fwd_bwd(naive, (*as64, *rest), vocab_size)
     lines = [
-        f"fp32 check, N={n} d={d} V={v} vocab_size={vocab_size}, {device}: max abs difference",
+        f"{dtype} check, N={n} d={d} V={v} vocab_size={vocab_size}, {device}: max abs difference",
         "",
         "| pair | logprob | entropy | grad hidden | grad weight |",
         "|---|---|---|---|---|",
@@ -164,40 +176,71 @@ def measure_naive(n: int, d: int, v: int, iters: int) -> tuple[float, float, str
     return float("nan"), float("nan"), f"OOM even at N={n // 64}"
 
 
+# rows x vocabulary columns: the trainer's default, and two of the large ones measured best.
+CHUNKS = ((512, 8192), (4096, 32768), (16384, 8192))
+
+
+def measure_forward(fn: Fn, inputs, vocab_size: int, iters: int) -> float:
+    """ms per forward under no_grad (what old log-probs and the reference cost), after one
+    warm-up."""
+    hidden, weight, targets, temperature, _ = inputs
+    with torch.no_grad():
+        fn(hidden, weight, targets, temperature, vocab_size)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn(hidden, weight, targets, temperature, vocab_size)
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def benchmark(n: int, d: int, v: int, iters: int, compile_torch: bool) -> str:
     """The markdown table at bf16 [n, d] x [v, d]."""
-    paths: list[tuple[str, Fn]] = [("Triton (fused)", triton_direct)]
+    paths: list[tuple[str, Fn]] = []
+    for rows, cols in CHUNKS:
+        name = f"Triton forward, chunked backward, chunks {rows} x {cols}"
+        paths.append((name, triton_direct(rows, cols)))
+        fn = dispatched("torch", chunk_size=rows, vocab_chunk_size=cols)
+        paths.append((f"chunked PyTorch (cuBLAS), chunks {rows} x {cols}", fn))
     if compile_torch:
         # Few, large chunks: Dynamo unrolls the chunk loops, so compile time grows with their
-        # number (the default 1024 x 16384 chunks would make 160 tiles each way).
+        # number (the default 512 x 8192 chunks would make hundreds of tiles each way).
         chunks = {"chunk_size": 4096, "vocab_chunk_size": 32768}
         name = "torch.compile(chunked PyTorch), chunks 4096 x 32768"
         paths.append((name, torch.compile(dispatched("torch", **chunks))))
     rows = []
     for name, fn in paths:
         tic = time.perf_counter()
+        torch.cuda.empty_cache()
         inputs = make_inputs(n, d, v, v, torch.bfloat16, "cuda")
         ms, gib = measure(fn, inputs, v, iters)
+        forward = measure_forward(fn, inputs, v, iters)
         del inputs
         note = f"incl. warm-up/compile: {time.perf_counter() - tic:.0f} s wall"
-        rows.append((name, ms, gib, note))
-        print(f"{name}: {ms:.1f} ms, {gib:.2f} GiB", file=sys.stderr)
-    rows.append(("naive (full fp32 logits)", *measure_naive(n, d, v, iters)))
+        rows.append((name, ms, forward, gib, note))
+        print(f"{name}: {ms:.1f} ms ({forward:.1f} forward), {gib:.2f} GiB", file=sys.stderr)
+    naive_ms, naive_gib, naive_note = measure_naive(n, d, v, iters)
+    rows.append(
+        ("naive (bf16 logits, fp32 softmax)", naive_ms, float("nan"), naive_gib, naive_note)
+    )
     cublas = measure_cublas(n, d, v, iters)
-    rows.append(("cuBLAS: the 3 matmuls only", cublas, float("nan"), "lower bound, 6NdV FLOPs"))
-    triton_ms, triton_gib = rows[0][1], rows[0][2]
-    naive_gib = rows[-2][2]
+    rows.append(("cuBLAS: the 3 matmuls only", cublas, float("nan"), float("nan"), "6NdV FLOPs"))
     tflops = 6 * n * d * v / (cublas * 1e-3) / 1e12
     lines = [
         f"bf16, N={n}, d={d}, V={v}, forward+backward of logprob and entropy, "
-        f"mean of {iters} after warm-up; {torch.cuda.get_device_name()}",
+        f"mean of {iters} after warm-up; {torch.cuda.get_device_name()}; "
+        f"cuBLAS at {tflops:.0f} TFLOP/s",
         "",
-        "| path | ms | peak GiB above inputs | note |",
-        "|---|---|---|---|",
-        *(f"| {name} | {ms:.1f} | {gib:.2f} | {note} |" for name, ms, gib, note in rows),
-        "",
-        f"Triton / cuBLAS time: {triton_ms / cublas:.2f} (cuBLAS at {tflops:.0f} TFLOP/s); "
-        f"Triton peak / naive peak: {triton_gib / naive_gib:.3f}",
+        "| path | fwd+bwd ms | x cuBLAS | forward ms | peak GiB above inputs | x naive peak "
+        "| note |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        *(
+            f"| {name} | {ms:.1f} | {ms / cublas:.2f} | {fwd:.1f} | {gib:.2f} "
+            f"| {gib / naive_gib:.3f} | {note} |"
+            for name, ms, fwd, gib, note in rows
+        ),
     ]
     return "\n".join(lines)
 
@@ -218,11 +261,13 @@ def main() -> None:
     # checkout.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if cuda:
-        print(check("cuda", 1000, 256, 4099, 4000), "\n")
+        for dtype in (torch.float32, torch.bfloat16):
+            print(check("cuda", 1000, 256, 4099, 4000, dtype), "\n")
     else:  # the interpreter is slow: a smaller shape
-        print(check("cpu", 70, 72, 300, 290))
+        print(check("cpu", 70, 72, 300, 290, torch.float32))
     if not args.check_only:
-        print(benchmark(16384, 3584, 152064, args.iters, not args.no_compile))
+        for d, v in SHAPES:
+            print(benchmark(16384, d, v, args.iters, not args.no_compile), "\n")
 
 
 if __name__ == "__main__":

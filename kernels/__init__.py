@@ -37,7 +37,8 @@ def logprobs(
     Differentiable w.r.t. hidden and weight for upstream gradients of either or both outputs;
     keeps only the inputs and two fp32 numbers per row for backward (nothing under no_grad).
     `backend`: "torch" (chunks of `chunk_size` rows x `vocab_chunk_size` columns, bounded
-    workspace), "triton" (CUDA), or "auto" (triton on CUDA, torch otherwise).
+    workspace), "triton" (CUDA: a fused Triton forward, the backward in the same chunks), or
+    "auto" (triton on CUDA, torch otherwise).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -71,8 +72,9 @@ def logprobs(
         from kernels.logprobs_triton import triton_logprobs
 
         kept = triton_logprobs(
-            args[0], weight, kept_targets, tau[keep].float(), ignore_index, vocab_size
-        )
+            args[0], weight, kept_targets, tau[keep].float(), ignore_index, vocab_size,
+            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+        )  # fmt: skip
     else:
         kept = torch_logprobs(*args, vocab_size, chunk_size, vocab_chunk_size)
     # Scattered into fresh tensors of the targets' shape, never views: a view returned from an

@@ -5,7 +5,15 @@ are z = (h @ W.T)[:, :vocab_size] / tau (vLLM divides the logits by the temperat
 its log-softmax). The [N, V] logits never exist: rows are processed `chunk_size` at a time
 and the vocabulary `vocab_chunk_size` columns at a time, with an online (running-max)
 log-sum-exp, so the workspace is a few [chunk_size, vocab_chunk_size] fp32 tensors. Backward
-recomputes each tile's logits from the saved inputs and two fp32 numbers per row.
+recomputes each tile's logits from the saved inputs and two fp32 numbers per row, vocabulary
+tile by vocabulary tile, so a tile's weight gradient is complete before the next starts and no
+fp32 [V, d] buffer is needed.
+
+The matmuls run at the operands' precision with fp32 accumulation and an fp32 result: on CUDA
+bf16/fp16 operands go to cuBLAS's tensor cores (`torch.mm(..., out_dtype=torch.float32)`), as
+the logits of a bf16 model are computed anyway; an fp32 matmul there would run at a small
+fraction of the tensor-core rate. The logit gradient tile is rounded to the weight's dtype
+before its two matmuls, as a bf16 model's own backward would.
 """
 
 from __future__ import annotations
@@ -23,12 +31,31 @@ def _tiles(num: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, num)) for start in range(0, num, size)]
 
 
-def _tile_logits(hidden: Tensor, weight_tile: Tensor, inv_tau: Tensor) -> Tensor:
-    """hidden [n, d] (accumulation dtype) x weight_tile [v, d] -> scaled logits [n, v].
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b accumulated in fp32 (fp64 for fp64) and returned at that precision.
 
-    The tile is upcast before the matmul: a bf16 matmul would round its fp32 sums to bf16.
+    A plain bf16 matmul would round its fp32 sums to bf16. cuBLAS takes bf16/fp16 operands with
+    an fp32 output; elsewhere (CPU has no such kernel) the operands are upcast, which computes
+    the same exact products and fp32 sums.
     """
-    return (hidden @ weight_tile.to(hidden.dtype).T).mul_(inv_tau[:, None])
+    acc = _acc_dtype(a.dtype)
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=acc)
+    return a.to(acc) @ b.to(acc)
+
+
+def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b at out's (fp32 or fp64) precision, as `_matmul` computes it; in place
+    where the device allows (addmm_), so the gradient buffers take no temporaries on CPU."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        out += torch.mm(a, b, out_dtype=out.dtype)
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def _tile_logits(hidden: Tensor, weight_tile: Tensor, inv_tau: Tensor) -> Tensor:
+    """hidden [n, d] x weight_tile [v, d] -> temperature-scaled logits [n, v], fp32."""
+    return _matmul(hidden, weight_tile.T).mul_(inv_tau[:, None])
 
 
 def _forward_rows(
@@ -92,7 +119,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logprob)
         for rows in _tiles(num_rows, chunk_size):
             logprob[rows], entropy[rows], lse[rows] = _forward_rows(
-                hidden[rows].to(acc), weight, targets[rows], inv_tau[rows], vocab_size, vocab_chunk
+                hidden[rows], weight, targets[rows], inv_tau[rows], vocab_size, vocab_chunk
             )
         # Two fp32 numbers per row: E_p[z] = lse - H is what the entropy gradient needs.
         ctx.save_for_backward(hidden, weight, targets, inv_tau, lse, lse - entropy)
@@ -109,45 +136,70 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_entropy: Tensor | None,
     ) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, inv_tau, lse, mean_logit = ctx.saved_tensors
-        vocab_size, chunk_size, vocab_chunk = ctx.sizes
-        acc = _acc_dtype(weight.dtype)
-        grad_hidden = torch.zeros_like(hidden, dtype=acc) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_hidden, grad_weight = chunked_grads(
+            hidden, weight, targets, inv_tau, lse, mean_logit, grad_logprob, grad_entropy,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], *ctx.sizes,
+        )  # fmt: skip
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_tau: Tensor,
+    lse: Tensor,
+    mean_logit: Tensor,
+    grad_logprob: Tensor | None,
+    grad_entropy: Tensor | None,
+    need_hidden: bool,
+    need_weight: bool,
+    vocab_size: int,
+    chunk_size: int,
+    vocab_chunk: int,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(grad of hidden, grad of weight), each in its input's dtype or None where not needed,
+    of sum(g_lp * logprob + g_ent * entropy), recomputing the logits tile by tile.
+
+    lse and mean_logit = E_p[z] = lse - entropy are the forward's fp32 row statistics; a row
+    whose target is outside [0, vocab_size) gets no logprob term (its g_lp should be 0 anyway).
+    Vocabulary tiles are the outer loop, so a tile's weight gradient is complete before the
+    next starts; padded vocabulary rows (past vocab_size) get zeros.
+    """
+    acc = _acc_dtype(weight.dtype)
+    grad_hidden = torch.zeros_like(hidden, dtype=acc) if need_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    for cols in _tiles(vocab_size, vocab_chunk):
+        w = weight[cols]
+        grad_w = torch.zeros_like(w, dtype=acc) if need_weight else None
         for rows in _tiles(hidden.shape[0], chunk_size):
-            h = hidden[rows].to(acc)
-            for cols in _tiles(vocab_size, vocab_chunk):
-                w = weight[cols].to(acc)
-                z = _tile_logits(h, w, inv_tau[rows])
-                # grad_z = [g_lp (onehot - p) - g_ent p (z - E_p z)] / tau, built in place in
-                # the logits tile (d logprob/dz = onehot - p, dH/dz = -p (z - E_p z)):
-                # first p (-g_lp - g_ent (z - E_p z)), then + g_lp at each row's target.
-                p = (z - lse[rows, None]).exp_()
-                if grad_entropy is not None:
-                    z.sub_(mean_logit[rows, None]).mul_(-grad_entropy[rows, None].to(acc))
-                else:
-                    z.zero_()
-                if grad_logprob is not None:
-                    g = grad_logprob[rows].to(acc)
-                    z.sub_(g[:, None])
-                grad_z = z.mul_(p)
-                if grad_logprob is not None:
-                    local = targets[rows] - cols.start
-                    inside = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
-                    grad_z.index_put_((inside, local[inside]), g[inside], accumulate=True)
-                grad_z.mul_(inv_tau[rows, None])  # chain rule through z = raw / tau
-                if grad_hidden is not None:
-                    grad_hidden[rows].addmm_(grad_z, w)
-                if grad_weight is not None:
-                    grad_weight[cols].addmm_(grad_z.T, h)
-        return (
-            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            h = hidden[rows]
+            z = _tile_logits(h, w, inv_tau[rows])
+            # grad_z = [g_lp (onehot - p) - g_ent p (z - E_p z)] / tau, built in place in the
+            # logits tile (d logprob/dz = onehot - p, dH/dz = -p (z - E_p z)):
+            # first p (-g_lp - g_ent (z - E_p z)), then + g_lp at each row's target.
+            p = (z - lse[rows, None]).exp_()
+            if grad_entropy is not None:
+                z.sub_(mean_logit[rows, None]).mul_(-grad_entropy[rows, None].to(acc))
+            else:
+                z.zero_()
+            if grad_logprob is not None:
+                g = grad_logprob[rows].to(acc)
+                z.sub_(g[:, None])
+            grad_z = z.mul_(p)
+            if grad_logprob is not None:
+                local = targets[rows] - cols.start
+                inside = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
+                grad_z.index_put_((inside, local[inside]), g[inside], accumulate=True)
+            # Chain rule through z = raw / tau; the two matmuls run at the weight's precision.
+            grad_z = grad_z.mul_(inv_tau[rows, None]).to(weight.dtype)
+            if grad_hidden is not None:
+                _add_matmul(grad_hidden[rows], grad_z, w)
+            if grad_w is not None:
+                _add_matmul(grad_w, grad_z.T, h)
+        if grad_weight is not None:
+            grad_weight[cols] = grad_w
+    return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight
 
 
 def torch_logprobs(

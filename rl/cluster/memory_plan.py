@@ -26,7 +26,7 @@ from rl.config import Config
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# The kernel's torch path keeps a chunk's fp32 logits, their exponentials and gradient.
+# The log-prob kernel keeps a chunk's fp32 logits, their exponentials and gradient.
 _LOGPROB_WORKSPACE_COPIES = 3
 
 
@@ -157,7 +157,10 @@ def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> 
     if role == "trainer rank":
         rows = min(trainer.logprob_chunk_size, num_tokens)
         columns = min(trainer.logprob_vocab_chunk_size, shape.vocab_size)
-        parts["log-prob workspace"] = 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES
+        # Its backward also accumulates the micro-batch's hidden gradient and one vocabulary
+        # tile's weight gradient in fp32.
+        gradients = 4 * (num_tokens + columns) * shape.hidden_size
+        parts["log-prob workspace"] = 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES + gradients
     return RoleMemory(role, parts)
 
 

@@ -359,10 +359,13 @@ class TrainerConfig(Section):
         "the naive full-logits path, for comparison.",
     )
     logprob_chunk_size: int = Field(
-        512, description="Fused kernel (PyTorch path): tokens per chunk."
+        512,
+        description="Log-prob kernel: tokens per chunk (the PyTorch path's forward and "
+        "backward; the Triton path's backward).",
     )
     logprob_vocab_chunk_size: int = Field(
-        8192, description="Fused kernel (PyTorch path): vocabulary columns per chunk."
+        8192,
+        description="Log-prob kernel: vocabulary columns per chunk (as logprob_chunk_size).",
     )
     num_threads: int = Field(1, description="torch intra-op threads per trainer rank on CPU.")
     activation_checkpointing: bool = Field(
