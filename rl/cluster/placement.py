@@ -55,6 +55,11 @@ class PlacementPlan:
         num_workers = sum(self.locate(first)[0] == block for first in firsts)
         return max(1, len(self.node_blocks[block]) // (num_workers * self.rollout_width))
 
+    def rollout_bundles(self, worker: int) -> list[int]:
+        """The bundles of rollout worker `worker`'s engine, one per tensor-parallel rank."""
+        first = self.roles["rollout"][worker]
+        return list(range(first, first + self.rollout_width))
+
     def devices_of(self, role: str) -> list[int]:
         """The distinct bundles `role`'s actors run on, in order."""
         return sorted(set(self.roles.get(role, [])))
@@ -76,6 +81,14 @@ class PlacementPlan:
         lines = [f"{self.mode}: {self.num_devices} devices (bundles), {shared}"]
         for role, bundles in self.roles.items():
             lines.append(f"  {role}: {len(bundles)} actor(s) on bundles {bundles}")
+        if self.rollout_width > 1:
+            for worker in range(len(self.roles["rollout"])):
+                bundles = self.rollout_bundles(worker)
+                lines.append(
+                    f"  rollout engine {worker}: tensor-parallel ranks 0-{len(bundles) - 1} on "
+                    f"the devices of bundles {bundles}, rank r on the r-th (on GPUs, "
+                    "CUDA_VISIBLE_DEVICES lists those GPUs' ids, printed at start)"
+                )
         blocks = " ".join(str(block) for block in self.node_blocks)
         lines.append(f"  node blocks (each packed on one node): {blocks}")
         return "\n".join(lines)

@@ -25,6 +25,7 @@ class Placement:
     placement_groups: list[PlacementGroup]  # one per node block of the plan
     plan: PlacementPlan
     use_gpu: bool
+    gpu_ids: list[str]  # per bundle of the plan, the GPU Ray reserved for it (empty on CPU)
 
     def actor_options(self, bundle_index: int, num_roles_sharing: int) -> dict:
         """`.options(...)` for an actor that shares bundle `bundle_index` with other roles."""
@@ -40,6 +41,17 @@ class Placement:
         if self.use_gpu:
             options["num_gpus"] = share
         return options
+
+    def visible_devices(self, bundles: list[int]) -> dict[str, str]:
+        """Environment variables for an actor that drives the GPUs of several `bundles` (a
+        tensor-parallel engine whose rank r uses cuda:r): Ray would show it only the GPU of
+        the one bundle it is scheduled on, so it is told to leave CUDA_VISIBLE_DEVICES alone,
+        which then lists the bundles' GPUs in rank order."""
+        assert self.use_gpu
+        return {
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+            "CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids[bundle] for bundle in bundles),
+        }
 
     def release(self) -> None:
         for group in self.placement_groups:
@@ -98,8 +110,30 @@ def reserve(cfg: Config, timeout_s: float = 120.0) -> Placement:
                     f"could not reserve {len(bundles)} x {bundle} for {where} within "
                     f"{timeout_s:g} s\n{plan.describe()}\ncluster has {ray.available_resources()}"
                 )
+        groups = [reserved[i] for i in range(len(plan.node_blocks))]
+        gpu_ids = _gpu_ids(groups, plan) if use_gpu else []
     except BaseException:
         for group in reserved.values():
             remove_placement_group(group)
         raise
-    return Placement([reserved[i] for i in range(len(plan.node_blocks))], plan, use_gpu)
+    return Placement(groups, plan, use_gpu, gpu_ids)
+
+
+@ray.remote(num_cpus=0)
+def _gpu_id() -> str:
+    (gpu,) = ray.get_gpu_ids()
+    return str(gpu)
+
+
+def _gpu_ids(groups: list[PlacementGroup], plan: PlacementPlan) -> list[str]:
+    """The GPU id of every bundle of the plan, asked of a task on each before any actor holds
+    a share of it: a bundle's GPU is fixed when the group is reserved, so every actor
+    scheduled on the bundle later gets the same one."""
+    refs = []
+    for bundle in range(plan.num_devices):
+        block, local_index = plan.locate(bundle)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=groups[block], placement_group_bundle_index=local_index
+        )
+        refs.append(_gpu_id.options(num_gpus=0.01, scheduling_strategy=strategy).remote())
+    return ray.get(refs)

@@ -21,25 +21,36 @@ from rl.types import Sample, SamplingParams, fresh_samples
 from rollout.worker import RolloutWorker
 
 
+def engine_options(cfg: Config, placement: Placement, index: int, num_roles_sharing: int) -> dict:
+    """`.options(...)` of rollout worker `index`: its share of its engine's first bundle, and
+    the environment that gives its engine every bundle's device."""
+    plan = placement.plan
+    bundles = plan.rollout_bundles(index)
+    options = placement.actor_options(bundles[0], num_roles_sharing)
+    env = {}
+    if placement.use_gpu and len(bundles) > 1:
+        env = placement.visible_devices(bundles)
+    elif cfg.scheduler.time_sliced and not placement.use_gpu and len(bundles) == 1:
+        # Ray would give the engine threads for its CPU share alone (one, when it shares its
+        # CPU with a trainer rank), but while it generates the trainer waits: it may use
+        # every CPU of its node block.
+        env = {"OMP_NUM_THREADS": str(plan.rollout_threads(index))}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
 class RolloutFailed(RuntimeError):
     """A rollout engine raised: the run cannot go on with it."""
 
 
 class RolloutReplicas:
     def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
-        tp = cfg.rollout.tensor_parallel_size
         self._cfg = cfg
         self._options = [
-            placement.actor_options(index * tp, num_roles_sharing)
+            engine_options(cfg, placement, index, num_roles_sharing)
             for index in range(cfg.rollout.num_workers)
         ]
-        if cfg.scheduler.time_sliced and not placement.use_gpu and tp == 1:
-            # Ray would give the engine threads for its CPU share alone (one, when it shares
-            # its CPU with a trainer rank), but while it generates the trainer waits: it may
-            # use every CPU of its node block.
-            for index, options in enumerate(self._options):
-                threads = placement.plan.rollout_threads(index)
-                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
         self.workers = [self._start(index) for index in range(cfg.rollout.num_workers)]
         # Samples in flight per worker, and the worker of each batch in flight.
         self._num_in_flight = [0] * len(self.workers)
@@ -67,6 +78,14 @@ class RolloutReplicas:
         self.workers[index] = self._start(index)
         ray.get(self.workers[index].ready.remote())
         return self.workers[index]
+
+    def describe_devices(self) -> list[str]:
+        """Per engine, the GPUs its ranks use (what --dry-run can only name by bundle)."""
+        return [
+            f"rollout engine {index}: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}"
+            for index, options in enumerate(self._options)
+            if "CUDA_VISIBLE_DEVICES" in (env := options.get("runtime_env", {}).get("env_vars", {}))
+        ]
 
     @property
     def num_workers(self) -> int:

@@ -67,7 +67,7 @@ def placement():
     try:
         # No critic bundles in the plan: critic rank r goes to bundle r.
         plan = PlacementPlan(mode="colocate", num_devices=2, roles={}, node_blocks=[[0, 1]])
-        yield Placement(placement_groups=[group], plan=plan, use_gpu=False)
+        yield Placement(placement_groups=[group], plan=plan, use_gpu=False, gpu_ids=[])
     finally:
         remove_placement_group(group)
         ray.shutdown()

@@ -48,6 +48,15 @@ def test_tensor_parallel_rollout_workers_start_on_their_first_device() -> None:
     )
     assert plan.num_devices == 4
     assert plan.roles["rollout"] == [0, 2]
+    assert [plan.rollout_bundles(i) for i in range(2)] == [[0, 1], [2, 3]]
+    # --dry-run names each engine's ranks and the bundles whose devices they get.
+    description = plan.describe()
+    assert "rollout engine 0: tensor-parallel ranks 0-1 on the devices of bundles [0, 1]" in (
+        description
+    )
+    assert "rollout engine 1: tensor-parallel ranks 0-1 on the devices of bundles [2, 3]" in (
+        description
+    )
 
 
 def test_ppo_adds_a_critic_group_and_reward_models_share_bundle_zero(tmp_path) -> None:
