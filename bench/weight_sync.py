@@ -11,7 +11,9 @@ Each measurement runs in a child process that starts Ray, the trainer group and 
           at once (MALLOC_MMAP_THRESHOLD_), so that peak resident memory tracks live
           allocations, not the allocator's cache: each process's peak extra bytes in a sync;
   floor   vLLM's own reload of the whole model from memory in one call (no transport);
-  demo    the CPU demo recipe for --demo-steps steps: sync time as a fraction of a step.
+  demo    the CPU demo recipe for --demo-steps steps: sync time as a fraction of a step;
+  overlap on shared memory, each timed sync alternates with one whose next bucket is written
+          only once the current one is loaded everywhere: the overlap's gain.
 The memcpy bound is one torch copy of the bytes the rollout ranks load (all ranks together),
 timed in this process in the same run. Prints a markdown table.
 """
@@ -80,12 +82,18 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
     rollout = RolloutReplicas(cfg, placement, sharing)
     trainers = PolicyRanks(cfg, placement, sharing)
     sync = WeightSync(cfg, trainers, rollout)
-    runs = [sync.push(version) for version in range(1, num_syncs + 2)]  # 1: warm-up
+    runs = [sync.push(1)]  # a warm-up
+    serial = []
+    for version in range(2, 2 * num_syncs + 2, 2):
+        runs.append(sync.push(version))
+        if sync.transport == "shared_memory":  # the same sync without the overlap, in turn
+            serial.append(_serial_sync(trainers, rollout, len(sync.plan.buckets), version + 1))
     sync.close()
     ray.shutdown()
     plan = sync.plan
     return {
         "seconds": [run["weight_sync/seconds"] for run in runs[1:]],
+        "serial_seconds": serial,
         "write_s": [run["weight_sync/trainer_write_s"] for run in runs[1:]],
         "load_s": [run["weight_sync/rollout_load_s"] for run in runs[1:]],
         "trainer_peak_mb": max(run["weight_sync/trainer_peak_extra_mb"] for run in runs[1:]),
@@ -97,6 +105,20 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
         "num_buckets": len(plan.buckets),
         "largest_bucket_mb": plan.slot_numel * 4 / (1 << 20),
     }
+
+
+def _serial_sync(trainers, rollout, num_buckets: int, version: int) -> float:
+    """Seconds of a shared-memory sync whose next write starts only once the current bucket
+    is loaded everywhere (no overlap): what `WeightSync.stream` did before it wrote bucket
+    i + 1 while bucket i loads."""
+    import ray
+
+    start = time.perf_counter()
+    for bucket in range(num_buckets):
+        ray.get([w.write_weight_bucket.remote(bucket) for w in trainers.workers])
+        last = bucket + 1 == num_buckets
+        ray.get([r.apply_weight_bucket.remote(bucket, version, last) for r in rollout.workers])
+    return time.perf_counter() - start
 
 
 def _run_child(args: argparse.Namespace, *child: str, memory: bool = False) -> dict:
@@ -197,6 +219,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
+    overlap = []  # (TP, pipelined s, serial s) of the shared-memory rows
     for tp_size in (1, 2):
         for transport in ("shared_memory", "distributed"):
             child = ("--child", str(tp_size), "--transport", transport)
@@ -217,6 +240,14 @@ def main() -> None:
                 flush=True,
             )
             print(f"<!-- TP={tp_size} {transport}: {json.dumps([timed, memory])} -->")
+            if timed["serial_seconds"]:
+                serial = statistics.median(timed["serial_seconds"])
+                overlap.append((tp_size, seconds, serial))
+    print("\n| TP | shared memory, bucket i + 1 written while i loads: sync s | one after the "
+          "other: sync s | pipelined / serial |")  # fmt: skip
+    print("|---|---|---|---|")
+    for tp_size, pipelined, serial in overlap:
+        print(f"| {tp_size} | {pipelined:.2f} | {serial:.2f} | {pipelined / serial:.2f} |")
     print(f"\nvLLM's own reload of the whole model from memory (TP=1, one call): {floor:.2f} s")
     demo = _demo_sync_fraction(args.demo_steps)
     print(

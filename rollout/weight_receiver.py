@@ -153,11 +153,15 @@ class WeightReceiver:
             logging.ERROR
         )
         tp_rank = get_tensor_model_parallel_rank()
+        # A channel re-opened mid-update (the group re-formed after a member was lost) keeps
+        # the news that layers are part-loaded, for the next update's bucket 0 to close them.
+        previous = getattr(self, "_tandem_channel", None)
         self._tandem_channel = _Channel(
             plan=plan,
             tp_rank=tp_rank,
             channel=open_channel(plan, channel_spec, member=first_member + tp_rank),
             assembler=WeightAssembler(*weight_layers(self.model_runner.model)),
+            updating=previous is not None and previous.updating,
         )
 
     def tandem_apply_bucket(self, bucket: int) -> int:

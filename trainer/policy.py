@@ -248,12 +248,15 @@ class PolicyTrainer(RoleRank):
         """Join the weight-sync channel `channel_spec` for `plan`."""
         self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)
 
-    def write_weight_bucket(self, bucket: int) -> dict[str, float]:
-        """Send this rank's rows of `bucket` (see `WeightSender.write`); not collective."""
+    def write_weight_bucket(
+        self, bucket: int, replicas: list[int] | None = None
+    ) -> dict[str, float]:
+        """Send this rank's rows of `bucket` to rollout engines `replicas` (None: all; see
+        `WeightSender.write`); not collective."""
         if bucket == 0:
             self.residency.ensure_on_device()
             reshard(self.policy)  # the sender reads the shards
-        return self.sender.write(bucket)
+        return self.sender.write(bucket, replicas)
 
     def export_hf(self, out_dir: str) -> None:
         """Write the policy as an HF checkpoint (safetensors, config, tokenizer) to `out_dir`.

@@ -61,9 +61,9 @@ class WeightSender:
         self._base_rss = 0
 
     @torch.no_grad()
-    def write(self, bucket: int) -> dict[str, float]:
-        """Send this rank's rows of `bucket`. The model must be resharded (FSDP2 swaps in full
-        parameters while unsharded).
+    def write(self, bucket: int, replicas: list[int] | None = None) -> dict[str, float]:
+        """Send this rank's rows of `bucket` to rollout engines `replicas` (None: all). The
+        model must be resharded (FSDP2 swaps in full parameters while unsharded).
 
         Returns the seconds it took and the peak extra resident bytes since bucket 0.
         """
@@ -75,7 +75,7 @@ class WeightSender:
         local = {
             spec.name: self._rows(params[spec.name].detach()) for spec in self._plan.buckets[bucket]
         }
-        self._channel.write(bucket, local)
+        self._channel.write(bucket, local, replicas)
         return {
             "seconds": time.perf_counter() - start,
             "peak_extra_bytes": float(max(peak_rss_bytes() - self._base_rss, 0)),

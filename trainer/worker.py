@@ -88,8 +88,10 @@ class TrainWorker(RankWorker):
     def open_weight_sender(self, plan_json: str, channel_spec: ChannelSpec) -> None:
         self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
 
-    def write_weight_bucket(self, bucket: int) -> dict[str, float]:
-        return self.trainer.write_weight_bucket(bucket)
+    def write_weight_bucket(
+        self, bucket: int, replicas: list[int] | None = None
+    ) -> dict[str, float]:
+        return self.trainer.write_weight_bucket(bucket, replicas)
 
     def device_name(self) -> str:
         """This rank's accelerator ("NVIDIA H200", ...), or "cpu"."""

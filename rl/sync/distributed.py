@@ -36,8 +36,12 @@ class DistributedChannel:
             ]
             self._bucket = torch.empty(plan.slot_numel)
 
-    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
+    def write(
+        self, bucket: int, local_rows: dict[str, torch.Tensor], replicas: list[int] | None
+    ) -> None:
         plan, rank = self._plan, self._member
+        # Only to the engines being updated: a send nobody receives would never complete.
+        replicas = range(self._num_replicas) if replicas is None else replicas
         pieces = [
             pack_piece(plan, bucket, rank, t, local_rows, self._packed[t])
             for t in range(plan.tp_size)
@@ -45,7 +49,7 @@ class DistributedChannel:
         self._group.send(
             [
                 (plan.world_size + replica * plan.tp_size + t, pieces[t])
-                for replica in range(self._num_replicas)
+                for replica in replicas
                 for t in range(plan.tp_size)
             ],
             tag=bucket,

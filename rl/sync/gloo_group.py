@@ -23,10 +23,24 @@ class GlooGroup:
         self.rank = rank
 
     def send(self, messages: list[tuple[int, torch.Tensor]], tag: int) -> None:
-        """Send each (destination rank, contiguous CPU tensor); returns when all are sent."""
-        works = [self._group.send([t], dst, tag) for dst, t in messages if t.numel()]
+        """Send each (destination rank, contiguous CPU tensor); returns when all are sent.
+
+        A destination that died fails its own send only: every other send is still made and
+        completed before the first failure is raised, so no live receiver is left waiting."""
+        works, errors = [], []
+        for dst, tensor in messages:
+            if tensor.numel():
+                try:
+                    works.append(self._group.send([tensor], dst, tag))
+                except RuntimeError as error:
+                    errors.append(error)
         for work in works:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def recv(self, messages: list[tuple[int, torch.Tensor]], tag: int) -> None:
         """Receive into each (source rank, contiguous CPU tensor of the message's size)."""

@@ -214,8 +214,10 @@ class SharedMemoryChannel:
             self._slots = open_slots(slot_paths(prefix), plan.slot_numel)
         self._member = member
 
-    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
-        slot = self._slots[bucket % NUM_SLOTS]
+    def write(
+        self, bucket: int, local_rows: dict[str, torch.Tensor], replicas: list[int] | None
+    ) -> None:
+        slot = self._slots[bucket % NUM_SLOTS]  # every replica reads the same slot
         write_rows(slot, self._plan, bucket, self._member, local_rows)
 
     def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:

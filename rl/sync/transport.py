@@ -23,8 +23,11 @@ from rl.sync.plan import WeightSyncPlan
 class Channel(Protocol):
     """One member's end of a sync channel."""
 
-    def write(self, bucket: int, local_rows: dict[str, torch.Tensor]) -> None:
-        """A trainer rank's rows of `bucket` (by HF name)."""
+    def write(
+        self, bucket: int, local_rows: dict[str, torch.Tensor], replicas: list[int] | None
+    ) -> None:
+        """A trainer rank's rows of `bucket` (by HF name), for rollout engines `replicas`
+        (None: all); a transport whose readers share what is written ignores it."""
         ...
 
     def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:

@@ -4,8 +4,9 @@ Per bucket, every trainer rank sends its own FSDP2 rows and every rollout worker
 TP ranks) loads the regions it needs, over the transport of `rl.sync.transport` (shared
 memory on one node, where the next bucket is written while the current one is read; a gloo
 group across nodes). A rollout worker lost mid-update is dropped from it, replaced by a fresh
-engine and sent the whole current version; one lost while generating is replaced the same way
-(`replace`), when the scheduler finds the trainer idle.
+engine and sent the whole current version (over a gloo group, which the loss breaks, the group
+is re-formed first and every worker left behind gets the version); one lost while generating
+is replaced the same way (`replace`), when the scheduler finds the trainer idle.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import weakref
 from collections.abc import Iterator
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.cluster.trainer_ranks import PolicyRanks
@@ -98,43 +99,52 @@ class WeightSync:
         """Send `version` to rollout workers `indices` (default all); yields each bucket index
         once every live receiver has applied it (the last one, and closed the update). Workers
         that die are dropped and listed in `self.failed`; the others serve `version` when the
-        stream ends."""
+        stream ends, except over a transport whose members joined together (a gloo group):
+        there a lost member breaks the group, so the stream stops at that bucket and `repair`
+        re-forms the group and sends the version again."""
         indices = list(range(len(self._rollout.workers))) if indices is None else indices
         receivers = {i: self._rollout.workers[i] for i in indices}
         self.failed = []
         start = time.perf_counter()
         num_buckets = len(self.plan.buckets)
         pipelined = self._traits.pipelined
-        writes = [w.write_weight_bucket.remote(0) for w in self._trainers]
+        writes = self._write(0, indices)
         write_stats: list[dict[str, float]] = []
+        finished: list[dict[str, float]] = []
         num_bytes = write_s = 0.0
         for bucket in range(num_buckets):
+            last = bucket + 1 == num_buckets  # the receivers then also close the update
             if pipelined:  # bucket is in its slot before anyone reads it
                 write_stats = ray.get(writes)
-            last = bucket + 1 == num_buckets  # the receivers then also close the update
-            applied = self._gather(
-                receivers,
-                {
-                    i: r.apply_weight_bucket.remote(bucket, version, last)
-                    for i, r in receivers.items()
-                },
-            )
+                write_s += max(stat["seconds"] for stat in write_stats)
+            applying = {
+                i: r.apply_weight_bucket.remote(bucket, version, last) for i, r in receivers.items()
+            }
+            if pipelined and not last:
+                # Written while this bucket loads: its slot held bucket - 1, which every
+                # receiver applied before this bucket started.
+                writes = self._write(bucket + 1, indices)
+            applied = self._gather(receivers, applying)
             if not pipelined:  # the sends complete as the receivers take them
-                write_stats = ray.get(writes)
-            write_s += max(stat["seconds"] for stat in write_stats)
-            if not last:
-                # Shared memory: the other slot held bucket - 1, which everyone has applied.
-                writes = [w.write_weight_bucket.remote(bucket + 1) for w in self._trainers]
+                write_stats = self._settle(writes)
+                if self.failed and self._traits.joined_together:
+                    break  # the group lost a member: nothing more can cross it
+                write_s += max(stat["seconds"] for stat in write_stats)
+                if not last:
+                    writes = self._write(bucket + 1, indices)
             num_bytes += max((bucket_bytes for bucket_bytes, _ in applied), default=0)
+            if last:
+                finished = [closed for _, closed in applied]
             yield bucket
-        finished = [closed for _, closed in applied]
         self.metrics = {
             "weight_sync/seconds": time.perf_counter() - start,
             "weight_sync/trainer_write_s": write_s,
             "weight_sync/buckets": float(num_buckets),
             "weight_sync/mb_per_rollout_rank": num_bytes / _MB,
             "weight_sync/mb_full_model": self.plan.total_bytes / _MB,
-            "weight_sync/trainer_peak_extra_mb": max(s["peak_extra_bytes"] for s in write_stats)
+            "weight_sync/trainer_peak_extra_mb": max(
+                (s["peak_extra_bytes"] for s in write_stats), default=0.0
+            )
             / _MB,
             "weight_sync/rollout_peak_extra_mb": max(
                 (f["peak_extra_bytes"] for f in finished), default=0.0
@@ -142,6 +152,23 @@ class WeightSync:
             / _MB,
             "weight_sync/rollout_load_s": max((f["load_s"] for f in finished), default=0.0),
         }
+
+    def _write(self, bucket: int, indices: list[int]) -> list[ray.ObjectRef]:
+        """Every trainer rank sends its rows of `bucket` to rollout workers `indices`."""
+        return [w.write_weight_bucket.remote(bucket, indices) for w in self._trainers]
+
+    def _settle(self, writes: list[ray.ObjectRef]) -> list[dict[str, float]]:
+        """The trainer ranks' write stats. After a receiver of a joined group was lost, their
+        sends to it may fail (the peer is gone): that failure is the loss, already counted,
+        and the driver goes on to re-form the group. Any other failure is the trainer's."""
+        stats = []
+        for ref in writes:
+            try:
+                stats.append(ray.get(ref))
+            except RayTaskError:
+                if not (self.failed and self._traits.joined_together):
+                    raise
+        return stats
 
     def _gather(self, receivers: dict, refs: dict[int, ray.ObjectRef]) -> list:
         """Results of `refs`; a receiver whose actor died is dropped from `receivers`."""
@@ -155,12 +182,15 @@ class WeightSync:
         return results
 
     def repair(self, version: int) -> None:
-        """Replace the workers lost in the last `stream` and send them `version` whole.
-
-        Only the shared-memory transport survives a lost member: a gloo group breaks with it,
-        and the failed sends fail the sync before this point.
-        """
-        self.replace(self.failed, version)
+        """Replace the workers lost in the last `stream` and bring every worker to `version`:
+        the replacements, and (over a joined group, whose stream stopped at the loss) the
+        survivors it left part-way."""
+        lost = self.failed
+        for index in lost:
+            self._rollout.restart(index)
+        self._connect(None if self._traits.joined_together else lost)
+        behind = [i for i, served in enumerate(self._rollout.versions()) if served != version]
+        self._send_whole(behind, version)
 
     def replace(self, indices: list[int], version: int) -> None:
         """Replace rollout workers `indices` (dead or not) by fresh engines serving `version`,
@@ -169,7 +199,10 @@ class WeightSync:
         for index in indices:
             self._rollout.restart(index)
         self._connect(indices)
-        if version == 0:
+        self._send_whole(indices if version else [], version)
+
+    def _send_whole(self, indices: list[int], version: int) -> None:
+        if not indices:
             return
         for _ in self.stream(version, indices):
             pass

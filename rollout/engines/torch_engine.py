@@ -187,7 +187,10 @@ class TorchEngine:
         # Tied weights appear under each of their names; copying into either updates both.
         params = dict(self._model.named_parameters(remove_duplicate=False))
         channel = open_channel(plan, channel_spec, member=first_member)
-        self._update = _Update(plan, channel, params)
+        # Re-opened mid-update (the group re-formed after a member was lost), the engine still
+        # holds a partly applied update and must not serve until a whole one lands.
+        partly_applied = None if self._update is None else self._update.version
+        self._update = _Update(plan, channel, params, version=partly_applied)
 
     @torch.no_grad()
     def apply_weight_bucket(self, bucket: int, version: int) -> int:

@@ -1,4 +1,5 @@
-"""The CPU demo recipe submitted with `ray job submit` to a real two-node Ray cluster.
+"""The CPU demo recipe submitted with `ray job submit` to a real two-node Ray cluster, and a
+rollout worker lost in the middle of a cross-node weight sync.
 
 Both nodes run on this machine (`ray start --head` and `ray start --address`), with their
 own CPUs: 1 on the head, 2 on the second node. A split placement with two devices per node
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from rl.checkpoint.store import verify
+from tests.helpers.models import build_checkpoint
 from tests.helpers.repo import REPO
 from tests.helpers.tiny_runs import tiny_run_tree
 
@@ -162,3 +164,26 @@ def test_a_failing_job_reports_failure_through_its_exit_status(
     assert submitted.returncode != 0, logs[-3000:]
     assert "model.path=" in logs and "does not exist" in logs, logs[-3000:]
     assert "failed" in logs
+
+
+def test_a_rollout_worker_lost_during_a_cross_node_sync_is_replaced_and_synced(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The gloo group spanning both nodes breaks when its rollout member dies mid-sync: the
+    driver stops the stream there, re-forms the group with a fresh engine and sends the
+    version whole, well before gloo's 10-minute timeout; the engine then scores as the
+    trainer does."""
+    model_dir = build_checkpoint(tmp_path / "model", "qwen2", False)
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.cross_node_sync", cluster.head, str(model_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (outcome["transport"], outcome["num_nodes"]) == ("distributed", 2)
+    assert outcome["failed"] == [0] and outcome["replaced"]
+    assert outcome["streamed"] < outcome["num_buckets"]  # stopped at the loss
+    assert outcome["versions"] == [1]
+    assert outcome["gap"] < 1e-4
+    assert outcome["seconds"] < 300  # a hang guard, far below gloo's timeout

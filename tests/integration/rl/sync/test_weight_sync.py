@@ -249,6 +249,49 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     assert max(_gaps(setup)) < 1e-4
 
 
+@pytest.mark.parametrize("setup", ["llama-untied-tp2-gloo"], indirect=True)
+def test_a_receiver_lost_mid_transfer_over_gloo_is_replaced_and_the_group_re_formed(
+    setup: Setup,
+) -> None:
+    """A gloo group breaks with a lost member: the stream stops there, the survivor is left
+    part-way (and refuses to serve), and repair re-forms the group and brings both workers to
+    the version, with no wait for gloo's timeout."""
+    _large_update(setup)
+    served = setup.rollout.versions()
+    version = 1 + max(served)
+    victim, survivor = setup.rollout.workers[1], setup.rollout.workers[0]
+    start = time.monotonic()
+    streamed = []
+    for bucket in setup.sync.stream(version):
+        streamed.append(bucket)
+        if bucket == 1:
+            ray.kill(victim, no_restart=True)
+    assert setup.sync.failed == [1]
+    assert len(streamed) < len(setup.sync.plan.buckets)  # stopped at the loss
+    assert ray.get(survivor.version.remote()) == served[0]  # part-way: not the new version
+    with pytest.raises(ray.exceptions.RayTaskError, match="partly applied weight update"):
+        params = SamplingParams(n=1, max_new_tokens=2, temperature=1.0)
+        ray.get(survivor.generate.remote(fresh_samples([SEQUENCES[0][:4]], 1, [0]), params))
+
+    setup.sync.repair(version)
+    # A hang guard, far below gloo's 10-minute timeout and far above this repair's work.
+    assert time.monotonic() - start < 300
+    assert setup.rollout.workers[1] is not victim
+    assert setup.rollout.versions() == [version, version]
+    assert max(_gaps(setup)) < 1e-4
+
+    _large_update(setup)  # the re-formed group carries the next sync to both
+    setup.sync.push(version + 1)
+    assert setup.rollout.versions() == [version + 1, version + 1]
+    assert max(_gaps(setup)) < 1e-4
+
+    # A worker lost while generating is replaced alone: the trainers send only to it (a send
+    # to the other member, which takes no part, would never complete).
+    setup.sync.replace([0], version + 1)
+    assert setup.rollout.versions() == [version + 1, version + 1]
+    assert max(_gaps(setup)) < 1e-4
+
+
 @pytest.mark.parametrize("setup", ["qwen2-tied-tp2", "qwen2-tied-torch"], indirect=True)
 def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     _large_update(setup)

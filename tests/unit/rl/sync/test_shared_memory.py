@@ -94,7 +94,7 @@ def test_channels_hand_readers_the_tensors_writers_wrote(prefix: str) -> None:
             rows = {
                 s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, 2))] for s in SYNC_SPECS
             }
-            writer.write(bucket, rows)
+            writer.write(bucket, rows, None)
         for name, tensor in reader.read(bucket):
             assert torch.equal(tensor, full[name])
 
