@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from ray.actor import ActorHandle
 
 from rl.cluster.reservation import Placement, reserve
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
 from rl.sync.weight_sync import WeightSync
-from rl.types import Batch, SamplingParams, fresh_samples
+from rl.types import Batch, Sample, SamplingParams, fresh_samples
 from tests.helpers.models import build_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -314,6 +314,30 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     assert samples[0].token_versions == [version] * len(samples[0].response_ids)
 
 
+def _interrupted_after_two_steps(
+    worker: ActorHandle, version: int, params: SamplingParams
+) -> list[Sample]:
+    """32 fresh samples started on `worker` and interrupted once the engine has taken two
+    steps, whatever the machine's speed: a pacer sample started with them, 2 tokens short of
+    `params.max_new_tokens`, finishes at the second step (a step samples a token for every
+    running sample), and the interrupt goes out as soon as its batch comes back. The other
+    samples then have about 2 of their up to 56 tokens."""
+    batch = fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))
+    done = params.max_new_tokens - 2
+    pacer = Sample([5, 6, 7], group_id=100, response_ids=[8] * done, logprobs=[-1.0] * done)
+    pacer.token_versions, pacer.finish_reason = [version] * done, "abort"  # a partial sample
+    # One call, so both are in the engine's first step; straight to the worker, so both are
+    # on the same engine (RolloutReplicas.submit spreads batches over workers).
+    ray.get(worker.start.remote({0: batch, 1: [pacer]}, params))
+    finished = ray.get(worker.poll.remote(), timeout=60)
+    assert 1 in finished, "the long batch finished before the pacer"
+    ray.get(worker.interrupt.remote())
+    while 0 not in finished:
+        finished |= ray.get(worker.poll.remote(), timeout=60)
+    assert finished[1][0].finish_reason in ("stop", "length")  # the pacer was not aborted
+    return finished[0]
+
+
 @pytest.mark.parametrize("setup", ["llama-tied-tp1", "qwen2-tied-torch"], indirect=True)
 def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: Setup) -> None:
     """A partial rollout: interrupted mid-generation by a sync, resumed under the new weights;
@@ -322,12 +346,9 @@ def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: 
     worker = setup.rollout.workers[0]
     version = ray.get(worker.version.remote())
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=56, seed=5)
-    for wait_s in (0.05, 0.1, 0.2, 0.4, 0.8):  # until the abort lands mid-generation
-        batch = fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))
-        worker_index = setup.rollout.submit({0: batch}, params)[0]
-        time.sleep(wait_s)
-        setup.rollout.interrupt()
-        samples = setup.rollout.poll(worker_index).result(timeout=60)[0]
+    # A try misses only if the interrupt's round trip outlasts the rest of the generation.
+    for _ in range(3):
+        samples = _interrupted_after_two_steps(worker, version, params)
         partial = [s for s in samples if s.is_partial and s.response_ids]
         if partial:
             break

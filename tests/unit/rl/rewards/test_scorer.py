@@ -1,5 +1,6 @@
-"""RewardScorer with real worker processes: weighted sums, speed, and reward functions that
-raise, hang, spin or kill their process."""
+"""RewardScorer with real worker processes: weighted sums, and reward functions that raise,
+hang, spin or kill their process. (Scoring speed is measured by bench/reward_scoring.py: a
+wall-clock bound here would fail whenever other work shares the cores.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from rl.config import RewardConfig, RewardTermConfig
 from rl.data.tasks import get_task
 from rl.rewards import RewardScorer
 
-USER_REWARDS = """
+HANG_S = 1000  # how long the "sleep" reward function hangs
+
+USER_REWARDS = f"""
 import math
 import os
 import time
@@ -47,7 +50,7 @@ def flaky(response, example):
     if mode == "raise":
         raise KeyError("no such field")
     if mode == "sleep":
-        time.sleep(1000)
+        time.sleep({HANG_S})
     if mode == "spin":
         while True:
             pass
@@ -115,21 +118,20 @@ def test_weighted_sum(combined: RewardScorer) -> None:
         combined.score(["123+456"] * 3, responses[:2], examples)
 
 
-def test_512_scores_take_well_under_a_second(combined: RewardScorer) -> None:
+def test_512_samples_get_the_weighted_sum_of_every_term_without_errors(
+    combined: RewardScorer,
+) -> None:
+    # A batch the size of a step's, spread over the worker processes.
     n = 512
     examples = [{"prompt": f"{i}+{i}", "answer": str(2 * i)} for i in range(n)]
     responses = [e["answer"] if i % 3 else "wrong" for i, e in enumerate(examples)]
     prompts = [e["prompt"] for e in examples]
-    combined.score(prompts, responses, examples)  # warm
-    start = time.perf_counter()
     rewards, metrics = combined.score(prompts, responses, examples)
-    elapsed = time.perf_counter() - start
-    print(f"\n512 samples x 3 function terms scored in {elapsed * 1000:.1f} ms")
+    # task and arithmetic (weights 1 + 2) judge every third response wrong; length is 0.5 * len / 10.
     right = torch.tensor([i % 3 != 0 for i in range(n)], dtype=torch.float32)
     lengths = torch.tensor([len(r) / 10 for r in responses])
     torch.testing.assert_close(rewards, 3 * right + 0.5 * lengths)
     assert metrics["reward/errors"] == metrics["reward/timeouts"] == 0
-    assert elapsed < 1.0
 
 
 def test_failures_score_zero_and_are_counted(rewards_file: Path) -> None:
@@ -141,9 +143,11 @@ def test_failures_score_zero_and_are_counted(rewards_file: Path) -> None:
     with RewardScorer(cfg, get_task("addition")) as scorer:
         first_workers = _worker_pids() - others
         assert len(first_workers) == 2
-        start = time.perf_counter()
+        start = time.monotonic()
         rewards, metrics = scorer.score(["1+1"] * 10, ["02"] * 10, examples)
-        assert time.perf_counter() - start < 60  # sleep(1000) did not hold the batch
+        # The hung call did not hold the batch: it returned in far less than the hang (it
+        # takes about the 1 s timeout twice, plus restarting workers, even on busy cores).
+        assert time.monotonic() - start < HANG_S / 2
         expected = [11.0 if mode == "ok" else 10.0 for mode in modes]
         assert rewards.tolist() == expected
         assert metrics["reward/errors"] == 3  # raise, exit, nan

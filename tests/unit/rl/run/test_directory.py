@@ -34,13 +34,15 @@ def test_a_new_run_moves_past_directories_that_hold_earlier_runs(tmp_path: Path)
     assert fresh_run_config(cfg, resuming=True).run.name == "demo"
 
 
+# Holds the lock until the test kills it (stdin never closes first), not for a guessed time
+# that a slow test could outlast.
 _HOLD = """
-import sys, time
+import sys
 from pathlib import Path
 from rl.run.directory import RunLock
 with RunLock(Path(sys.argv[1])):
     print("locked", flush=True)
-    time.sleep(60)
+    sys.stdin.read()
 """
 
 
@@ -49,7 +51,10 @@ def test_a_second_process_on_a_live_runs_directory_is_refused_until_the_first_di
 ) -> None:
     run_dir = tmp_path / "demo"
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HOLD, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -61,6 +66,7 @@ def test_a_second_process_on_a_live_runs_directory_is_refused_until_the_first_di
     finally:
         holder.kill()  # dies without releasing anything itself
         holder.wait()
+        holder.stdin.close()
         holder.stdout.close()
     with RunLock(run_dir):  # the kernel dropped the dead process's lock
         assert (run_dir / ".lock").stat().st_mode & 0o777 == 0o600

@@ -7,9 +7,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from tests.helpers.waiting import main_thread_cpu_ticks, wait_until, wait_until_delivered
 
 # The main thread spends its time in long C calls that release the GIL (matmuls of about
 # 0.5 s), as a driver does in `ray.get`: Python-level handlers run only between them.
@@ -43,7 +44,10 @@ def _child(num_matmuls: int, linger_s: float = 0.0) -> Iterator[subprocess.Popen
     )
     try:
         assert process.stdout.readline() == "ready\n"
-        time.sleep(0.2)
+        # After "ready" the main thread only multiplies: once it has used CPU time since, it
+        # is inside a matmul (a tick is 10 ms, a matmul about 0.5 s or more).
+        ticks = main_thread_cpu_ticks(process.pid)
+        wait_until(lambda: main_thread_cpu_ticks(process.pid) >= ticks + 2, "the first matmul")
         yield process
     finally:
         process.kill()
@@ -55,7 +59,9 @@ def test_two_signals_while_the_main_thread_is_in_c_code_exit_at_once() -> None:
     # about a minute long, so only acting on each signal ends it within the timeout.
     with _child(100) as process:
         os.kill(process.pid, signal.SIGTERM)
-        time.sleep(0.1)  # the kernel merges a signal into one still pending
+        # The kernel merges a signal into one still pending: the second goes once the first
+        # has been delivered (a busy machine can leave the child unscheduled for a while).
+        wait_until_delivered(process.pid, signal.SIGTERM)
         os.kill(process.pid, signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM, stderr
