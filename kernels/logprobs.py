@@ -171,7 +171,12 @@ def chunked_grads(
     grad_weight = torch.zeros_like(weight) if need_weight else None
     for cols in _tiles(vocab_size, vocab_chunk):
         w = weight[cols]
-        grad_w = torch.zeros_like(w, dtype=acc) if need_weight else None
+        grad_w = None
+        if grad_weight is not None:
+            # fp32 (fp64) weights take their gradient in place; bf16 ones accumulate a tile in
+            # fp32 first, rounded once when complete.
+            in_place = grad_weight.dtype == acc
+            grad_w = grad_weight[cols] if in_place else torch.zeros_like(w, dtype=acc)
         for rows in _tiles(hidden.shape[0], chunk_size):
             h = hidden[rows]
             z = _tile_logits(h, w, inv_tau[rows])
@@ -197,7 +202,7 @@ def chunked_grads(
                 _add_matmul(grad_hidden[rows], grad_z, w)
             if grad_w is not None:
                 _add_matmul(grad_w, grad_z.T, h)
-        if grad_weight is not None:
+        if grad_weight is not None and not in_place:
             grad_weight[cols] = grad_w
     return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight
 

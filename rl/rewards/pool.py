@@ -12,32 +12,19 @@ the other workers.
 from __future__ import annotations
 
 import math
-import os
-import resource
-import subprocess
-import sys
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 from typing import Literal
 
-import rl
 from rl.config import RewardConfig
 from rl.rewards.terms import FunctionTerm
+from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 
 # (term index, response, example)
 Item = tuple[int, str, dict]
 MAX_CHUNK = 64  # items per message; chunks shrink as the queue drains, to balance the workers
-STARTUP_TIMEOUT_S = 120.0  # a worker imports the terms' modules (sympy for `math`) at start
-_REPO_ROOT = str(Path(rl.__file__).resolve().parent.parent)
-# What a worker inherits of the driver's environment unless reward.inherit_env adds more: the
-# interpreter and libraries still work, and the driver's credentials (tokens, keys) stay out.
-_BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 
 
 @dataclass(frozen=True)
@@ -50,10 +37,7 @@ class Failure:
 
 @dataclass
 class _Worker:
-    process: subprocess.Popen
-    conn: Connection
-    started_at: float
-    kill: weakref.finalize  # kills the process now, or at the driver's exit at the latest
+    proc: WorkerProcess
     ready: bool = False
     busy_since: float = 0.0  # when the item at the head of `outstanding` started
     outstanding: deque[int] = field(default_factory=deque)
@@ -73,7 +57,7 @@ class FunctionPool:
         self._terms = terms
         self._timeout_s = cfg.timeout_s
         self._memory_mb = cfg.memory_mb
-        self._env = _worker_env(cfg.inherit_env)
+        self._env = clean_env(cfg.inherit_env)
         self._log_file = log_file
         self._workers = [self._start() for _ in range(cfg.num_processes)]
         # Wait here, so that a broken term fails before any training work starts.
@@ -110,48 +94,18 @@ class FunctionPool:
 
     def close(self) -> None:
         """Stop the workers: idle ones exit on EOF, busy ones are killed."""
-        for w in self._workers:
-            w.conn.close()
-        for w in self._workers:
-            try:
-                w.process.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass  # busy: killed below
-            w.kill()  # also drops its exit hook
-            w.process.wait()
+        stop_workers([w.proc for w in self._workers])
         self._workers = []
 
     def _start(self) -> _Worker:
-        conn, child_conn = Pipe()
-        if self._log_file is None:
-            output = sys.stderr
-        else:
-            Path(self._log_file).parent.mkdir(parents=True, exist_ok=True)
-            output = open(self._log_file, "ab")  # the child keeps its own copy of the descriptor
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "rl.rewards.pool_worker", str(child_conn.fileno())],
-                pass_fds=[child_conn.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=output,
-                env=self._env,
-                preexec_fn=partial(_limit_memory, self._memory_mb),
-            )
-        finally:
-            if output is not sys.stderr:
-                output.close()
-        child_conn.close()  # only the child holds its end now, so its death reads as EOF
-        conn.send(self._terms)
-        kill = weakref.finalize(process, process.kill)
-        return _Worker(process, conn, started_at=time.monotonic(), kill=kill)
+        proc = start_worker("rl.rewards.pool_worker", self._env, self._memory_mb, self._log_file)
+        proc.conn.send(self._terms)
+        return _Worker(proc)
 
     def _replace(self, w: _Worker, pending: deque[int]) -> None:
         """Kill `w`, start a fresh worker in its place and requeue `w`'s unstarted items."""
         pending.extendleft(reversed(w.outstanding))
-        w.kill()
-        w.process.wait()
-        w.conn.close()
+        w.proc.kill()
         self._workers[self._workers.index(w)] = self._start()
 
     def _restart_all(self) -> None:
@@ -167,7 +121,7 @@ class FunctionPool:
             size = min(MAX_CHUNK, -(-len(pending) // (2 * len(self._workers))))
             ids = [pending.popleft() for _ in range(size)]
             try:
-                w.conn.send([(i, *items[i]) for i in ids])
+                w.proc.conn.send([(i, *items[i]) for i in ids])
             except OSError:  # died while idle: nothing of this chunk ran
                 pending.extendleft(reversed(ids))
                 self._replace(w, pending)
@@ -177,17 +131,18 @@ class FunctionPool:
 
     def _deadline(self, w: _Worker) -> float:
         if not w.ready:
-            return w.started_at + STARTUP_TIMEOUT_S
+            return w.proc.started_at + STARTUP_TIMEOUT_S
         return w.busy_since + self._timeout_s if w.outstanding else math.inf
 
     def _receive(self, now: float, results: list, pending: deque[int]) -> None:
         """Wait until a message arrives or the nearest deadline, and take every message in."""
         wait_s = min(self._deadline(w) for w in self._workers) - now
-        ready = wait([w.conn for w in self._workers], timeout=max(0.0, min(wait_s, 3600.0)))
-        for w in [w for w in self._workers if w.conn in ready]:
+        conns = [w.proc.conn for w in self._workers]
+        ready = wait(conns, timeout=max(0.0, min(wait_s, 3600.0)))
+        for w in [w for w in self._workers if w.proc.conn in ready]:
             try:
-                while w.conn.poll():
-                    kind, item_id, payload = w.conn.recv()
+                while w.proc.conn.poll():
+                    kind, item_id, payload = w.proc.conn.recv()
                     if kind == "ready":
                         w.ready = True
                     elif kind == "failed":
@@ -201,8 +156,7 @@ class FunctionPool:
                 self._on_death(w, results, pending)
 
     def _on_death(self, w: _Worker, results: list, pending: deque[int]) -> None:
-        w.kill()  # it closed the connection; it may not have exited yet
-        code = w.process.wait()
+        code = w.proc.kill()  # it closed the connection; it may not have exited yet
         if not w.ready:
             raise RuntimeError(f"a reward worker process exited while starting (exit code {code})")
         if w.outstanding:
@@ -222,18 +176,3 @@ class FunctionPool:
             cause = f"no result within reward.timeout_s={self._timeout_s:g} s"
             results[w.outstanding.popleft()] = Failure("timeout", cause)
             self._replace(w, pending)
-
-
-def _worker_env(inherit: list[str]) -> dict[str, str]:
-    """The environment of a worker: `_BASE_ENV` and `inherit` where the driver has them; the
-    workers import `rl` as the driver does, wherever the driver was started from."""
-    env = {name: os.environ[name] for name in (*_BASE_ENV, *inherit) if name in os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
-    return env
-
-
-def _limit_memory(memory_mb: int) -> None:
-    """In the child, before it runs Python: cap its address space (0: no cap)."""
-    if memory_mb > 0:
-        limit = memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

@@ -1,0 +1,147 @@
+"""Tools as typed Python functions: their schema for the chat template, checking a call's
+arguments against it, and naming a tool so that a worker process can import it.
+
+A tool is a function defined at the top level of an importable module, with a type hint and
+a docstring line (Google style, under `Args:`) for each parameter, and returning a str, int,
+float, bool, None, list or dict. The driver imports tools only to read their schemas; they run
+in `ToolPool` workers.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import (
+    DocstringParsingException,
+    TypeHintParsingException,
+)
+
+from rl.agents.builtin_tools import BUILTIN_TOOLS
+from rl.agents.tool_worker import import_tool
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as a worker process finds it: `spec` is "module:function", `root` the directory
+    that `module` is imported from, `schema` what `tool_schema` gives."""
+
+    name: str
+    spec: str
+    root: str
+    schema: dict
+
+
+def tool_schema(fn: Callable) -> dict:
+    """The function schema of `fn`, in the form that HF `apply_chat_template(tools=...)` and
+    OpenAI-style APIs take: {"type": "function", "function": {"name", "description",
+    "parameters": JSON schema from the type hints}}. The description is the docstring's first
+    paragraph, the parameters' descriptions come from its `Args:` section."""
+    try:
+        schema = get_json_schema(fn)
+    except (DocstringParsingException, TypeHintParsingException) as e:
+        raise ValueError(f"tool {fn.__name__!r}: {e}") from None
+    # HF keeps every paragraph before `Args:`; the model's prompt needs only the summary.
+    first = schema["function"]["description"].split("\n\n")[0]
+    schema["function"]["description"] = " ".join(first.split())
+    return schema
+
+
+def resolve_tool(tool: str | Callable) -> ToolSpec:
+    """A tool given as a built-in name ("python"), a "module:function" spec or a function
+    defined at the top level of an importable module. ValueError naming what is wrong."""
+    if isinstance(tool, str):
+        if ":" not in tool:
+            fn = BUILTIN_TOOLS.get(tool)
+        else:
+            try:
+                fn = import_tool(tool)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"tool {tool!r} cannot be imported: {e}") from None
+    else:
+        fn = tool
+    if not callable(fn):
+        raise ValueError(f"tool {tool!r} is a {type(fn).__name__}, not a function")
+    module = sys.modules.get(fn.__module__)
+    if module is None or fn.__module__ == "__main__" or "<" in fn.__qualname__:
+        # A worker imports the tool by name: a lambda, a nested function or a script's own
+        # function has no name it could import.
+        raise ValueError(
+            f"tool {fn.__qualname__!r} of module {fn.__module__!r}: define it at the top level "
+            "of an importable module"
+        )
+    spec = f"{fn.__module__}:{fn.__qualname__}"
+    return ToolSpec(fn.__name__, spec, _import_root(module), tool_schema(fn))
+
+
+def _import_root(module: object) -> str:
+    """The directory that `module` is imported from (its top-level package's parent)."""
+    path = Path(module.__file__).resolve()
+    depth = module.__name__.count(".") + (path.name == "__init__.py")
+    return str(path.parents[depth])
+
+
+def check_arguments(schema: dict, arguments: object) -> str | None:
+    """Why `arguments` do not fit the function schema `schema` (`tool_schema`'s form), or None
+    when they do: a JSON object with every required parameter, no other, and values of the
+    declared types (list items and enums included; objects' contents are not checked)."""
+    if not isinstance(arguments, dict):
+        return f"the arguments must be a JSON object, not {_json_type(arguments)}"
+    parameters = schema["function"]["parameters"]
+    properties = parameters["properties"]
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing argument(s) {', '.join(map(repr, missing))}"
+    unknown = [name for name in arguments if name not in properties]
+    if unknown:
+        expected = ", ".join(map(repr, properties)) or "none"
+        return f"unexpected argument(s) {', '.join(map(repr, unknown))} (expected: {expected})"
+    for name, value in arguments.items():
+        problem = _check_value(properties[name], value)
+        if problem is not None:
+            return f"argument {name!r}: {problem}"
+    return None
+
+
+def _check_value(schema: dict, value: object) -> str | None:
+    if value is None and schema.get("nullable"):
+        return None
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{value!r} is not one of {schema['enum']}"
+    types = schema.get("type")
+    if types is None:  # typing.Any
+        return None
+    types = [types] if isinstance(types, str) else types
+    if _json_type(value) not in types and not (
+        _json_type(value) == "integer" and "number" in types
+    ):
+        return f"expected {' or '.join(types)}, got {_json_type(value)}"
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            problem = _check_value(schema["items"], item)
+            if problem is not None:
+                return f"item {i}: {problem}"
+    return None
+
+
+_JSON_TYPES = (
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+    (type(None), "null"),
+)
+
+
+def _json_type(value: object) -> str:
+    """The JSON schema type of a value decoded from JSON."""
+    if isinstance(value, bool):  # before int: True is an int in Python, not in JSON
+        return "boolean"
+    for python_type, name in _JSON_TYPES:
+        if isinstance(value, python_type):
+            return name
+    return type(value).__name__
