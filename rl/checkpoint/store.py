@@ -165,8 +165,15 @@ def verify(path: Path) -> dict:
         raise CheckpointError(
             f"{manifest_path} is unreadable ({e}); the checkpoint is damaged"
         ) from e
+    root = path.resolve()
     for name, entry in entries.items():
         file = path / name
+        # The manifest is as untrusted as the rest of the directory: a name that leads out of
+        # it (absolute, `..`, or through a symlink) would have this read any file it names.
+        if not file.resolve().is_relative_to(root):
+            raise CheckpointError(
+                f"{manifest_path} names {name!r}, which is outside the checkpoint {path}"
+            )
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
         size = file.stat().st_size

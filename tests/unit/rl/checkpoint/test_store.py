@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -144,6 +145,23 @@ def test_damage_is_named_and_auto_falls_back_to_the_newest_good(
     path, skipped = newest_valid(tmp_path)
     assert path == good
     assert len(skipped) == 1 and str(bad) in skipped[0]
+
+
+@pytest.mark.parametrize("escape", ["../outside.bin", "/etc/hostname", "link/outside.bin"])
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(
+    tmp_path: Path, escape: str
+) -> None:
+    writer = CheckpointWriter(tmp_path / "checkpoints", keep_last=3)
+    checkpoint = _write(writer, 1)
+    outside = tmp_path / "checkpoints" / "outside.bin"
+    outside.write_bytes(b"secret")
+    (checkpoint / "link").symlink_to(outside.parent, target_is_directory=True)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    # A correct size and checksum for what lies outside: only the path gives it away.
+    manifest["files"][escape] = {"bytes": 6, "sha256": hashlib.sha256(b"secret").hexdigest()}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        verify(checkpoint)
 
 
 def test_keep_last_below_one_is_a_user_error(tmp_path: Path) -> None:
