@@ -31,6 +31,11 @@ def _tiles(num: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, num)) for start in range(0, num, size)]
 
 
+def _tensor_cores(a: Tensor) -> bool:
+    """Whether cuBLAS multiplies `a` as it is, with an fp32 output (bf16/fp16 on CUDA)."""
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+
+
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b accumulated in fp32 (fp64 for fp64) and returned at that precision.
 
@@ -39,7 +44,7 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     the same exact products and fp32 sums.
     """
     acc = _acc_dtype(a.dtype)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if _tensor_cores(a):
         return torch.mm(a, b, out_dtype=acc)
     return a.to(acc) @ b.to(acc)
 
@@ -47,8 +52,8 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
 def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out += a @ b at out's (fp32 or fp64) precision, as `_matmul` computes it; in place
     where the device allows (addmm_), so the gradient buffers take no temporaries on CPU."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        out += torch.mm(a, b, out_dtype=out.dtype)
+    if _tensor_cores(a):
+        out += _matmul(a, b)
     else:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rl.agents.tool_pool import ToolPool, ToolResult
+from tests.helpers.processes import child_pids
 from tests.helpers.waiting import wait_until
 from tests.unit.rl.agents import sample_tools
 
@@ -48,16 +49,7 @@ SECRET = "TANDEM_TEST_TOKEN"
 
 def _worker_pids() -> set[int]:
     """Live tool worker processes that are children of this test process."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"rl.agents.tool_worker" in cmdline:
-            pids.add(int(entry.name))
-    return pids
+    return child_pids(b"rl.agents.tool_worker")
 
 
 def _alive(pid: int) -> bool:

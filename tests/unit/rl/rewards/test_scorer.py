@@ -4,7 +4,6 @@ wall-clock bound here would fail whenever other work shares the cores.)"""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from rl.config import RewardConfig, RewardTermConfig
 from rl.data.tasks import get_task
 from rl.rewards import RewardScorer
+from tests.helpers.processes import child_pids
 
 HANG_S = 1000  # how long the "sleep" reward function hangs
 
@@ -64,16 +64,7 @@ def flaky(response, example):
 
 def _worker_pids() -> set[int]:
     """Live reward worker processes that are children of this test process."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"rl.rewards.pool_worker" in cmdline:
-            pids.add(int(entry.name))
-    return pids
+    return child_pids(b"rl.rewards.pool_worker")
 
 
 def _terms(*terms: tuple[str, float]) -> list[RewardTermConfig]:

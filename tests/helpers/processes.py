@@ -1,0 +1,20 @@
+"""This test process's own children, read from /proc: what a pool's workers left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def child_pids(cmdline_marker: bytes) -> set[int]:
+    """Live children of this process whose command line contains `cmdline_marker`."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and cmdline_marker in cmdline:
+            pids.add(int(entry.name))
+    return pids
