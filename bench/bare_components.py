@@ -149,7 +149,8 @@ def tandem_rounds(rollout: RolloutReplicas, prompts: list[list[int]], params: Sa
         return sum(map(len, responses[name]))
 
     def generate() -> int:
-        return keep("generate", rollout.generate(prompts, params))
+        samples = fresh_samples(prompts, params.n, list(range(len(prompts))))
+        return keep("generate", rollout.generate(samples, params))
 
     def streamed() -> int:
         samples = fresh_samples(prompts, params.n, list(range(len(prompts))))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from rl.agents.episode import Episode
     from rl.config import Config
 
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 # are unique in a run, so no two samples share a seed, however prompts are spread over workers.
 RUN_SEED_STRIDE = 100_003
 RESUME_SEED_STRIDE = 1_000_003
+# The version of a response token the policy did not sample (a multi-turn observation).
+NOT_SAMPLED = -1
 
 
 @dataclass
@@ -60,6 +63,12 @@ class Sample:
     three lists have one entry per response token. A generation interrupted by a weight sync
     is a partial sample (finish_reason "abort"); resumed, it keeps its prefix and its new
     tokens carry the newer version, so the off-policy correction stays exact per token.
+
+    A multi-turn agent's sample (`episode` set, rl.agents.episode) holds the whole
+    trajectory: every token after the prompt, sampled or inserted by the environment
+    (observations, template text), with `loss_mask` 1 on the sampled ones. Inserted tokens
+    carry log-prob 0.0 and version NOT_SAMPLED; nothing trains on them. `loss_mask` None:
+    every response token was sampled (single-turn).
     """
 
     prompt_ids: list[int]
@@ -75,12 +84,26 @@ class Sample:
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
     values: list[float] | None = None
+    # Multi-turn only: 1 per sampled response token, 0 per inserted one (see the docstring);
+    # while a turn is being generated it covers the tokens before that turn.
+    loss_mask: list[int] | None = None
+    episode: Episode | None = None
+
+    @property
+    def sampled_mask(self) -> list[int]:
+        """1 per response token the policy sampled, 0 per token the environment inserted."""
+        if self.loss_mask is None:
+            return [1] * len(self.response_ids)
+        assert len(self.loss_mask) == len(self.response_ids), "a turn is still being generated"
+        return self.loss_mask
 
     @property
     def policy_version(self) -> int:
-        """The oldest policy version among its tokens (what the staleness bound limits)."""
-        assert self.token_versions, "a sample without tokens has no policy version"
-        return min(self.token_versions)
+        """The oldest policy version among its sampled tokens (what the staleness bound
+        limits)."""
+        versions = [v for v in self.token_versions if v != NOT_SAMPLED]
+        assert versions, "a sample without sampled tokens has no policy version"
+        return min(versions)
 
     @property
     def is_partial(self) -> bool:

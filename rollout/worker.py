@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ray
 
-from rl.config import RolloutConfig
+from rl.config import AgentConfig, RolloutConfig
 from rl.observe.actor_logs import redirect_output
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
+from rollout.agent_loop import AgentLoop
 from rollout.engine_loop import GenerationLoop
 from rollout.engines.contract import RolloutEngine
 from rollout.engines.registry import build_engine
@@ -23,11 +24,23 @@ from rollout.engines.registry import build_engine
 
 @ray.remote
 class RolloutWorker:
-    """One engine (`rollout.engine`) serving one policy version at a time."""
+    """One engine (`rollout.engine`) serving one policy version at a time; with `agent`
+    enabled, every sample is a multi-turn episode (rollout.agent_loop) whose tools run in a
+    sandboxed pool this worker starts."""
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        dtype: str,
+        seed: int,
+        agent: AgentConfig | None = None,
+        log_file: str | None = None,
+    ) -> None:
         self._args = (model_path, cfg, dtype, seed)
-        self._loop: GenerationLoop | None = None
+        self._agent = agent if agent is not None and agent.enabled else None
+        self._log_file = log_file
+        self._loop: GenerationLoop | AgentLoop | None = None
 
     async def log_to(self, log_file: str) -> None:
         """Send this process's output to `log_file` (rl.observe.actor_logs); call before `ready`."""
@@ -37,8 +50,27 @@ class RolloutWorker:
         """Starts the engine (on the event-loop thread, where it will run: vLLM binds the
         starting thread's CPU threads) and returns the seconds its startup took."""
         if self._loop is None:
-            self._loop = GenerationLoop(build_engine(*self._args))
+            generation = GenerationLoop(build_engine(*self._args))
+            self._loop = generation if self._agent is None else self._agent_loop(generation)
         return self._engine.startup_seconds
+
+    def _agent_loop(self, generation: GenerationLoop) -> AgentLoop:
+        from transformers import AutoTokenizer
+
+        from rl.agents.environment import get_environment
+        from rl.agents.tool_pool import ToolPool
+
+        agent = self._agent
+        tools = ToolPool(
+            [*get_environment(agent.environment).tools, *agent.tools],
+            num_workers=agent.tool_workers,
+            timeout_s=agent.tool_timeout_s,
+            cpu_s=agent.tool_cpu_s,
+            memory_mb=agent.tool_memory_mb,
+            log_file=self._log_file,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(self._args[0])
+        return AgentLoop(generation, tokenizer, agent, tools)
 
     @property
     def _engine(self) -> RolloutEngine:

@@ -1,5 +1,9 @@
 """A multi-turn episode as one token sequence, built only by appending.
 
+The sequence lives in a `rl.types.Sample` (prompt_ids, then response_ids: every later token)
+whose `episode` (rl.agents.episode.Episode) holds the conversation as messages; the
+functions here extend both together.
+
 The sequence is the prompt's tokens, then for each turn the tokens the policy sampled,
 verbatim, then the observation's tokens (the tool results and whatever text the chat template
 puts around them, up to the next generation prompt). Sampled tokens are never decoded and
@@ -17,14 +21,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rl.types import Sample
+from rl.types import NOT_SAMPLED, Sample
 
-NOT_SAMPLED = -1  # the version of a token the policy did not sample
 # Characters of context shown either side of where a template changed the held text.
 _CONTEXT_CHARS = 40
 _CONTEXT_TOKENS = 4
@@ -118,125 +120,70 @@ def _not_append_only(
     )
 
 
-@dataclass
-class Trajectory:
-    """One episode: `prompt_ids`, then `response_ids` (every later token, sampled or not),
-    with per response token: `loss_mask` (1 on tokens the policy sampled, 0 on observation and
-    template tokens), the behaviour `logprobs` and `token_versions` of sampled tokens (0.0 and
-    NOT_SAMPLED on the others). Loss, KL, entropy and the critic's values cover the mask only.
+def encode_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+) -> list[int]:
+    """The prompt of an episode: `messages` rendered with the generation prompt."""
+    if not messages:
+        raise ValueError("an episode starts from at least one message")
+    return _encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
 
-    `messages` is the conversation as the chat template sees it (assistant turns as their
-    decoded text) and `tools` the function schemas it lists; both render the observations.
-    Turns alternate: `add_turn` after the prompt or an observation, `add_observation` after a
-    turn. `finish_reason` is the last turn's (see rl.types.Sample).
+
+def end_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> str:
+    """Close the turn the engine just generated: its tokens (everything after the episode's
+    `turn_start`, appended by the engine with their log-probs and versions) are sampled, so
+    they join the loss mask; returns the assistant's text (what tool calls are parsed from).
+
+    The message kept for the template is the decoded text without a final special token:
+    that is the sampled end-of-turn, which the template writes itself after the content. Any
+    special token counts, not only EOS: Gemma's end-of-turn is not its EOS, and kept in the
+    content it would be rendered twice. One the template does not write there (Qwen's
+    `<|endoftext|>` for `<|im_end|>`) fails the next observation's check.
     """
+    episode = sample.episode
+    assert episode is not None and sample.loss_mask is not None, "not an episode's sample"
+    sampled = sample.response_ids[episode.turn_start :]
+    if not sampled:
+        raise ValueError(f"sample {sample.group_id}/{sample.index}: a turn without tokens")
+    assert len(sample.loss_mask) == episode.turn_start, "a turn closed twice"
+    ends_turn = sampled[-1] in tokenizer.all_special_ids
+    text = _decode(tokenizer, sampled[:-1] if ends_turn else sampled)
+    episode.messages.append({"role": "assistant", "content": text})
+    sample.loss_mask += [1] * len(sampled)
+    episode.turn_start = len(sample.response_ids)
+    episode.num_turns += 1
+    return text
 
-    prompt_ids: list[int]
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
 
-    @classmethod
-    def start(
-        cls,
-        tokenizer: PreTrainedTokenizerBase,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-    ) -> Trajectory:
-        """The prompt: `messages` rendered with the generation prompt."""
-        if not messages:
-            raise ValueError("a trajectory starts from at least one message")
-        prompt = _encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
-        return cls(prompt_ids=prompt, messages=list(messages), tools=tools)
-
-    @property
-    def ids(self) -> list[int]:
-        """The whole sequence, prompt and response."""
-        return self.prompt_ids + self.response_ids
-
-    @property
-    def awaits_turn(self) -> bool:
-        """Whether the sequence ends at a generation prompt (the policy's turn to sample)."""
-        return self.messages[-1]["role"] != "assistant"
-
-    def add_turn(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        sampled_ids: list[int],
-        logprobs: list[float],
-        versions: list[int],
-        finish_reason: str,
-    ) -> str:
-        """Append the policy's sampled tokens verbatim, with their behaviour log-probs and
-        versions; returns the assistant's text (what the tool calls are parsed from).
-
-        The message kept for the template is the decoded text without a final special token:
-        that is the sampled end-of-turn, which the template writes itself after the content.
-        Any special token counts, not only EOS: Gemma's end-of-turn is not its EOS, and kept
-        in the content it would be rendered twice. One the template does not write there
-        (Qwen's `<|endoftext|>` for `<|im_end|>`) fails the next observation's check.
-        """
-        if not self.awaits_turn:
-            raise ValueError("a turn follows the prompt or an observation, not another turn")
-        if not sampled_ids or not len(sampled_ids) == len(logprobs) == len(versions):
-            raise ValueError(
-                f"a turn needs one log-prob and one version per sampled token: "
-                f"{len(sampled_ids)} tokens, {len(logprobs)} log-probs, {len(versions)} versions"
-            )
-        ends_turn = sampled_ids[-1] in tokenizer.all_special_ids
-        text = _decode(tokenizer, sampled_ids[:-1] if ends_turn else sampled_ids)
-        self.messages.append({"role": "assistant", "content": text})
-        self.response_ids += sampled_ids
-        self.loss_mask += [1] * len(sampled_ids)
-        self.logprobs += logprobs
-        self.token_versions += versions
-        self.finish_reason = finish_reason
-        return text
-
-    def add_observation(
-        self, tokenizer: PreTrainedTokenizerBase, new_messages: list[dict[str, Any]]
-    ) -> list[int]:
-        """Append the tokens of `new_messages` (tool results, a user's reply) and the next
-        generation prompt, as `observation_ids` renders them; returns those tokens."""
-        if self.awaits_turn:
-            raise ValueError("an observation follows a turn of the policy")
-        if not new_messages:
-            raise ValueError("an observation needs at least one message")
-        ids = observation_ids(tokenizer, self.ids, self.messages, new_messages, self.tools)
-        self.messages += new_messages
-        self.response_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.token_versions += [NOT_SAMPLED] * len(ids)
-        return ids
-
-    def to_sample(self, group_id: int, index: int) -> tuple[Sample, list[int]]:
-        """The trainer's record of this episode, and its loss mask (one per response token).
-
-        `rl.types.Sample` has no loss mask yet, and `rl.run.batching.build_batch` trains on
-        every response token: until it has one, the mask comes alongside and must be applied.
-        Observation tokens take log-prob 0.0 and the version of the sampled token before them,
-        so `Sample.policy_version` (the oldest version) stays that of the sampled tokens.
-        `response_text` is the last assistant message, the answer a reward reads.
-        """
-        if not self.response_ids:
-            raise ValueError("a trajectory without a turn has nothing to train on")
-        versions = []
-        for version, sampled in zip(self.token_versions, self.loss_mask, strict=True):
-            versions.append(version if sampled else versions[-1])
-        last_turn = next(m for m in reversed(self.messages) if m["role"] == "assistant")
-        sample = Sample(
-            prompt_ids=list(self.prompt_ids),
-            group_id=group_id,
-            index=index,
-            response_ids=list(self.response_ids),
-            logprobs=list(self.logprobs),
-            token_versions=versions,
-            finish_reason=self.finish_reason,
-            response_text=last_turn["content"],
-        )
-        return sample, list(self.loss_mask)
+def add_observation(
+    tokenizer: PreTrainedTokenizerBase,
+    sample: Sample,
+    new_messages: list[dict[str, Any]],
+    max_response_tokens: int | None = None,
+) -> list[int] | None:
+    """Append the tokens of `new_messages` (tool results, a user's reply) and the next
+    generation prompt, as `observation_ids` renders them, outside the loss mask, with log-prob
+    0.0 and version NOT_SAMPLED; returns those tokens. When they would leave the response
+    longer than `max_response_tokens`, appends nothing and returns None."""
+    episode = sample.episode
+    assert episode is not None and sample.loss_mask is not None, "not an episode's sample"
+    if episode.messages[-1]["role"] != "assistant":
+        raise ValueError("an observation follows a turn of the policy")
+    if not new_messages:
+        raise ValueError("an observation needs at least one message")
+    held = sample.prompt_ids + sample.response_ids
+    ids = observation_ids(tokenizer, held, episode.messages, new_messages, episode.tools)
+    if (
+        max_response_tokens is not None
+        and len(sample.response_ids) + len(ids) > max_response_tokens
+    ):
+        return None
+    episode.messages += new_messages
+    sample.response_ids += ids
+    sample.loss_mask += [0] * len(ids)
+    sample.logprobs += [0.0] * len(ids)
+    sample.token_versions += [NOT_SAMPLED] * len(ids)
+    episode.turn_start = len(sample.response_ids)
+    return ids

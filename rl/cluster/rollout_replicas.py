@@ -17,7 +17,7 @@ from rl.cluster.reservation import Placement
 from rl.config import Config
 from rl.observe.actor_logs import actor_log_file
 from rl.run.scheduler.ports import WorkerLost
-from rl.types import Sample, SamplingParams, fresh_samples
+from rl.types import Sample, SamplingParams
 from rollout.worker import RolloutWorker
 
 
@@ -60,10 +60,11 @@ class RolloutReplicas:
 
     def _start(self, index: int) -> ActorHandle:
         cfg = self._cfg
+        log_file = actor_log_file(cfg, f"rollout-{index}")
         worker = RolloutWorker.options(**self._options[index]).remote(
-            cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index
+            cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index, cfg.agent, log_file
         )
-        if (log_file := actor_log_file(cfg, f"rollout-{index}")) is not None:
+        if log_file is not None:
             worker.log_to.remote(log_file)  # runs before `ready`: calls run in order
         return worker
 
@@ -154,11 +155,11 @@ class RolloutReplicas:
                 pass
         return results
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
-        """params.n samples per prompt, ordered prompt by prompt; group_id = prompt index.
+    def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Generate fresh `samples` (`rl.types.fresh_samples`, or agent episodes) to the end;
+        returns them in order.
 
-        Blocking, the prompts spread evenly over the workers (held-out evaluation, tests)."""
-        samples = fresh_samples(prompts, params.n, list(range(len(prompts))))
+        Blocking, the samples spread evenly over the workers (held-out evaluation, tests)."""
         num_workers = len(self.workers)
         bounds = [len(samples) * i // num_workers for i in range(num_workers + 1)]
         futures = [

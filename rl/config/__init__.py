@@ -4,6 +4,7 @@ its types cannot express (checks.py), and the registries of names its keys selec
 """
 
 from rl.config.tree import (
+    AgentConfig,
     AlgorithmConfig,
     BaseBuildConfig,
     CheckpointConfig,
@@ -23,6 +24,7 @@ from rl.config.tree import (
 )
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "BaseBuildConfig",
     "CheckpointConfig",

@@ -44,6 +44,40 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     _check_trainer(cfg, path)
     _check_rollout(cfg, path)
     _check_scheduler(cfg, path)
+    _check_agent(cfg, path)
+
+
+def _check_agent(cfg: Config, path: Path | str) -> None:
+    agent = cfg.agent
+    if not agent.enabled:
+        return
+    from rl.agents.environment import ENVIRONMENTS
+    from rl.agents.tool_calls import TOOL_CALL_FORMATS
+
+    for key, value, registry in (
+        ("agent.environment", agent.environment, ENVIRONMENTS),
+        ("agent.tool_call_format", agent.tool_call_format, TOOL_CALL_FORMATS),
+    ):
+        if value not in registry:
+            raise ConfigError(
+                f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
+            )
+    for key, value, minimum in (
+        ("agent.max_turns", agent.max_turns, 1),
+        ("agent.max_tool_output_tokens", agent.max_tool_output_tokens, 1),
+        ("agent.tool_workers", agent.tool_workers, 1),
+        ("agent.tool_timeout_s", agent.tool_timeout_s, 1e-3),
+        ("agent.tool_cpu_s", agent.tool_cpu_s, 1),
+        ("agent.tool_memory_mb", agent.tool_memory_mb, 0),
+    ):
+        if value < minimum:
+            raise ConfigError(f"{path}: {key} must be >= {minimum}, got {value}")
+    if cfg.trainer.share_prompts:
+        raise ConfigError(
+            f"{path}: trainer.share_prompts does not apply to agent episodes: it shares a row's "
+            "tokens before its first trained one, and an episode's later turns differ per sample "
+            "after the prompt anyway; set trainer.share_prompts=false"
+        )
 
 
 def _check_trainer(cfg: Config, path: Path | str) -> None:

@@ -268,10 +268,29 @@ def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None
             cfg.model_dump_json(indent=2),
             plan_placement(cfg).describe(),
             _describe_overlap(cfg),
+            _describe_agent(cfg),
             inputs,
             memory_report(cfg, device_memory_gb),
             "dry run: nothing started",
         ]
+    )
+
+
+def _describe_agent(cfg: Config) -> str:
+    """The agent set-up: environment, tools and their sandbox, the episode's limits."""
+    agent = cfg.agent
+    if not agent.enabled:
+        return "agent: off (single-turn prompt -> response)"
+    from rl.agents.environment import get_environment
+
+    tools = [*get_environment(agent.environment).tools, *agent.tools]
+    return (
+        f"agent: environment {agent.environment}, tools {', '.join(tools) or 'none'} "
+        f"({agent.tool_call_format} calls) in {agent.tool_workers} sandboxed workers per rollout "
+        f"worker (per call: {agent.tool_timeout_s:g} s wall clock, {agent.tool_cpu_s:g} s CPU, "
+        f"{agent.tool_memory_mb} MiB, no network where the platform allows); at most "
+        f"{agent.max_turns} turns and {cfg.rollout.max_new_tokens} tokens after the prompt per "
+        f"episode, tool results cut at {agent.max_tool_output_tokens} tokens"
     )
 
 

@@ -298,6 +298,39 @@ class RolloutConfig(Section):
     )
 
 
+class AgentConfig(Section):
+    """Multi-turn episodes with tools (docs/agents.md); off while `environment` is empty."""
+
+    environment: str = Field(
+        "",
+        description="Agent environment from rl.agents.environment.ENVIRONMENTS (tool_use, "
+        "calculator); empty = single-turn prompt -> response. rollout.max_new_tokens then caps "
+        "every token after the prompt: turns, tool results and template text.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools besides the environment's: built-in names (python) or "
+        "module:function, run only in the sandboxed tool pool.",
+    )
+    tool_call_format: str = Field(
+        "hermes", description="Tool-call syntax from rl.agents.tool_calls.TOOL_CALL_FORMATS."
+    )
+    max_turns: int = Field(4, description="Assistant turns per episode at most.")
+    max_tool_output_tokens: int = Field(
+        256, description="A tool result longer than this many tokens is cut and marked."
+    )
+    tool_workers: int = Field(4, description="Sandboxed tool worker processes per rollout worker.")
+    tool_timeout_s: float = Field(30.0, description="Wall-clock limit of one tool call.")
+    tool_cpu_s: float = Field(30.0, description="CPU-time limit of one tool call (whole seconds).")
+    tool_memory_mb: int = Field(
+        1024, description="Address-space limit of a tool call, MiB (0 = none)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment)
+
+
 class TrainerConfig(Section):
     num_workers: int = Field(
         2, description="TrainWorker actors in one torch.distributed group (FSDP2 ranks)."
@@ -515,6 +548,7 @@ class Config(Section):
     base: BaseBuildConfig = BaseBuildConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()

@@ -36,7 +36,8 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
         return at_targets([getattr(s, field) for s in samples])
 
     sequences = [s.prompt_ids + s.response_ids for s in samples]
-    loss_mask = at_targets([[1.0] * len(s.response_ids) for s in samples])
+    # Multi-turn samples train on their sampled tokens only (rl.types.Sample.sampled_mask).
+    loss_mask = at_targets([list(map(float, s.sampled_mask)) for s in samples])
     behaviour = per_token("logprobs")
     old = per_token("old_logprobs")
     return Batch(

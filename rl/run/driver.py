@@ -39,7 +39,7 @@ from rl.data.loading import (
     prompt_lengths,
     prompt_token_limit,
 )
-from rl.data.prompts import encode_prompt, padding_id
+from rl.data.prompts import padding_id
 from rl.data.tasks import get_task
 from rl.observe.actor_logs import actor_log_file
 from rl.observe.metrics import MetricsLogger
@@ -48,10 +48,11 @@ from rl.rewards import RewardScorer
 from rl.run.directory import RunLock
 from rl.run.evaluation import evaluate
 from rl.run.experience import StreamingScorer, TrainerSide
+from rl.run.groups import GroupStarter
 from rl.run.preemption import StopRequest
 from rl.run.scheduler.loop import Scheduler, Settings
 from rl.sync.weight_sync import WeightSync
-from rl.types import SamplingParams
+from rl.types import Sample, SamplingParams
 
 
 class RunAborted(RuntimeError):
@@ -207,7 +208,7 @@ def _run(
             rollout,
             trainer_side,
             scorer,
-            loop.next_prompt,
+            loop.next_group,
             trace,
             loop.on_version,
             start_version=state.step if state else 0,
@@ -309,7 +310,8 @@ class _Loop:
         trace: Trace,
         logger: MetricsLogger,
     ) -> None:
-        self.cfg, self.rollout, self.tokenizer, self.task = cfg, rollout, tokenizer, task
+        self.cfg, self.rollout, self.task = cfg, rollout, task
+        self.groups = GroupStarter(cfg, tokenizer)
         self.test_examples = test_examples
         self.prompts_stream, self.trace, self.logger = prompts_stream, trace, logger
         # group id -> the stream's state right before that group drew its prompt
@@ -319,10 +321,10 @@ class _Loop:
     def sampling(self) -> SamplingParams:
         return SamplingParams.for_training(self.cfg)
 
-    def next_prompt(self, group_id: int) -> tuple[dict, list[int]]:
+    def next_group(self, group_id: int) -> tuple[dict, list[Sample]]:
         self._stream_states[group_id] = self.prompts_stream.state_dict()
         example = self.prompts_stream.next_batch(1)[0]
-        return example, encode_prompt(self.tokenizer, example["prompt"])
+        return example, self.groups.start(example, group_id, self.cfg.algorithm.group_size)
 
     def stream_state_before(self, group_id: int) -> dict:
         """Where the prompt stream stood before group `group_id` (now, if not drawn yet);
@@ -339,7 +341,7 @@ class _Loop:
     def held_out_accuracy(self) -> float:
         for lane in self._rollout_lanes:
             self.trace.begin(lane, "eval")
-        accuracy = evaluate(self.rollout, self.tokenizer, self.task, self.test_examples, self.cfg)
+        accuracy = evaluate(self.rollout, self.groups, self.task, self.test_examples, self.cfg)
         for lane in self._rollout_lanes:
             self.trace.end(lane, "eval")
         return accuracy

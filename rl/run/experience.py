@@ -58,6 +58,8 @@ class StreamingScorer:
             [sample.response_text for sample in samples],
             examples,
         )
+        # An agent's environment may reward its steps too: added to the answer's reward.
+        scores = scores + torch.tensor([s.episode.reward if s.episode else 0.0 for s in samples])
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         scores = scores + overlong_penalty(
             lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty

@@ -31,7 +31,7 @@ from rl.run.scheduler.admission import Admission
 from rl.run.scheduler.device_turns import DeviceTurns
 from rl.run.scheduler.ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
 from rl.run.scheduler.prompt_groups import Group, step_metrics
-from rl.types import Sample, SamplingParams, fresh_samples
+from rl.types import Sample, SamplingParams
 
 
 class Scheduler:
@@ -42,14 +42,15 @@ class Scheduler:
         rollout: RolloutPort,
         trainer: TrainerPort,
         scorer: ScorerPort,
-        next_prompt: Callable[[int], tuple[dict, list[int]]],
+        next_group: Callable[[int], tuple[dict, list[Sample]]],
         trace: Trace,
         on_version: Callable[[int], dict[str, float]] = lambda version: {},
         start_version: int = 0,
         first_group_id: int = 0,
         trained_group_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """`next_prompt(group_id)` gives the (example, prompt ids) of the next group;
+        """`next_group(group_id)` gives the example of the next group and its fresh samples
+        (settings.group_size of them, rl.run.groups);
         `on_version(v)` runs once the rollout serves version v, with nothing generating
         (held-out evaluation), and returns metrics for step v.
 
@@ -62,7 +63,7 @@ class Scheduler:
         self.settings = settings
         self.sampling = sampling
         self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
-        self.next_prompt = next_prompt
+        self.next_group = next_group
         self.trace = trace
         self.on_version = on_version
         self.admission = Admission(
@@ -121,11 +122,10 @@ class Scheduler:
         groups = []
         while (step := self.admission.next_step(self.rollout_version)) is not None:
             while self._num_groups in self._trained_ids:  # trained before a resume
-                self.next_prompt(self._num_groups)
+                self.next_group(self._num_groups)
                 self._num_groups += 1
             group_id, self._num_groups = self._num_groups, self._num_groups + 1
-            example, prompt_ids = self.next_prompt(group_id)
-            samples = fresh_samples([prompt_ids], self.settings.group_size, [group_id])
+            example, samples = self.next_group(group_id)
             self.admission.start(step, self.rollout_version)
             groups.append(Group(group_id, step, example, samples))
         self._generate(groups)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.types import Sample
+from rl.agents.episode import episode_metrics
+from rl.types import NOT_SAMPLED, Sample
 
 
 @dataclass
@@ -41,8 +42,11 @@ def step_metrics(
         "response/truncated": sum(s.finish_reason == "length" for s in samples) / num_samples,
         "rollout/staleness_mean": sum(lags) / num_samples,
         "rollout/staleness_max": float(max(lags, default=0)),
-        "rollout/resumed_samples": sum(len(set(s.token_versions)) > 1 for s in samples)
+        "rollout/resumed_samples": sum(
+            len(set(s.token_versions) - {NOT_SAMPLED}) > 1 for s in samples
+        )
         / num_samples,
+        **episode_metrics(samples),
     }
     if finished:
         scores = torch.tensor([score for group in finished for score in group.scores])

@@ -18,7 +18,7 @@ import pytest
 
 from rl.observe.trace import Trace
 from rl.run.scheduler.loop import Scheduler, Settings
-from rl.types import SamplingParams
+from rl.types import SamplingParams, fresh_samples
 from tests.unit.rl.run.scheduler.fakes import (
     MAX_NEW_TOKENS,
     FakeRollout,
@@ -63,9 +63,11 @@ def _run(
 
     drawn: list[int] = []  # group ids in the order their prompts were drawn
 
-    def next_prompt(group_id: int):
+    def next_group(group_id: int):
         drawn.append(group_id)
-        return {"prompt": str(group_id)}, [group_id % 50 + 1]
+        return {"prompt": str(group_id)}, fresh_samples(
+            [[group_id % 50 + 1]], settings.group_size, [group_id]
+        )
 
     trace = Trace({"rollout-0": [0], "rollout-1": [0], "trainer": [0], "reward": []})
     scheduler = Scheduler(
@@ -74,7 +76,7 @@ def _run(
         rollout,
         trainer,
         FakeScorer(rng),
-        next_prompt,
+        next_group,
         trace,
         on_version=lambda version: {"eval/version": float(version)},
         start_version=start_version,

@@ -1,0 +1,160 @@
+"""One multi-turn episode: its state (carried by its `rl.types.Sample` wherever the sample
+goes, so an episode interrupted by a weight sync resumes on any rollout worker), how a group
+of episodes starts, what happens between two turns, and the metrics of a step's episodes.
+
+Between turns (`observe`): the assistant's tool calls are parsed in the configured format
+and checked against the tools' schemas; each valid one runs in the sandboxed tool pool; each
+result, or the error the model must read (malformed call, unknown tool, bad arguments, a tool
+that failed, hung or flooded), becomes one "tool" message, cut to `max_tool_output_tokens`
+tokens and marked. The environment then decides the observation and whether the episode ends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rl.agents.environment import Environment, EnvStep, Message
+from rl.agents.tool_calls import ToolCall, error_observation, parse_tool_calls
+from rl.agents.tool_pool import ToolResult
+from rl.agents.trajectory import encode_messages
+from rl.types import Sample
+
+RunTool = Callable[[str, dict], Awaitable[ToolResult]]
+
+
+@dataclass
+class Episode:
+    """What an episode's sample carries besides its tokens.
+
+    `messages` and `tools` (function schemas) are the conversation as the chat template
+    renders it. `turn_start`: response tokens before the turn being generated (the engine
+    appends that turn's tokens after it). Counters feed the step's agent/* metrics.
+    """
+
+    env: Environment
+    messages: list[Message]
+    tools: list[dict] | None
+    turn_start: int = 0
+    num_turns: int = 0
+    reward: float = 0.0  # the sum of the environment's step rewards
+    turns_with_calls: int = 0  # turns with at least one tool call ...
+    turns_well_formed: int = 0  # ... all of them well-formed, known and with valid arguments
+    num_calls: int = 0
+    errors: Counter = field(
+        default_factory=Counter
+    )  # kind -> calls (rl.agents.tool_calls/tool_pool)
+    tool_seconds: float = 0.0
+    max_turns_reached: bool = False
+
+    @property
+    def answer(self) -> str:
+        """The last assistant message: what the task's reward scores."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+
+def start_group(
+    env_class: type[Environment],
+    tokenizer: PreTrainedTokenizerBase,
+    example: dict,
+    tools: list[dict] | None,
+    n: int,
+    group_id: int,
+) -> list[Sample]:
+    """The `n` fresh samples of one group: each its own environment, reset from `example`."""
+    envs = [env_class() for _ in range(n)]
+    starts = [env.reset(example) for env in envs]
+    if any(messages != starts[0] for messages in starts):
+        raise ValueError(
+            f"{env_class.__name__}.reset gave different messages for one example; the samples "
+            "of a group must start from the same prompt"
+        )
+    prompt = encode_messages(tokenizer, starts[0], tools)
+    return [
+        Sample(
+            prompt_ids=list(prompt),
+            group_id=group_id,
+            index=k,
+            loss_mask=[],
+            episode=Episode(env, list(messages), tools),
+        )
+        for k, (env, messages) in enumerate(zip(envs, starts, strict=True))
+    ]
+
+
+async def observe(
+    episode: Episode,
+    turn: str,
+    tokenizer: PreTrainedTokenizerBase,
+    run_tool: RunTool,
+    call_format: str,
+    max_tool_output_tokens: int,
+) -> EnvStep:
+    """What follows the assistant's `turn`: its tool calls run (concurrently, through
+    `run_tool`), then the environment's step on their results."""
+    calls = parse_tool_calls(turn, episode.tools or [], call_format)
+    if calls:
+        episode.turns_with_calls += 1
+        episode.turns_well_formed += all(isinstance(c, ToolCall) for c in calls)
+    results = []
+    for call in calls:  # started together: a slow tool does not delay the others
+        if isinstance(call, ToolCall):
+            results.append(run_tool(call.name, call.arguments))
+    messages = []
+    for call in calls:
+        episode.num_calls += 1
+        if isinstance(call, ToolCall):
+            result = await results.pop(0)
+            episode.tool_seconds += result.seconds
+            if result.error is not None:
+                episode.errors[result.error] += 1
+            name, content = call.name, result.output
+        else:
+            episode.errors[call.kind] += 1
+            name, content = "error", error_observation(call, call_format)
+        content = _cut(tokenizer, content, max_tool_output_tokens)
+        messages.append({"role": "tool", "name": name, "content": content})
+    step = episode.env.step(turn, messages)
+    episode.reward += step.reward
+    return step
+
+
+def _cut(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> str:
+    """`text` cut to its first `max_tokens` tokens, the cut marked."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
+    return f"{kept}\n[truncated: {len(ids) - max_tokens} more tokens]"
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """agent/* metrics of finished episodes (none for single-turn samples)."""
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if not episodes:
+        return {}
+    num = len(episodes)
+    sampled = sum(sum(s.sampled_mask) for s in samples if s.episode is not None)
+    total = sum(len(s.response_ids) for s in samples if s.episode is not None)
+    calls = sum(e.num_calls for e in episodes)
+    with_calls = sum(e.turns_with_calls for e in episodes)
+    metrics: dict[str, Any] = {
+        "agent/turns_mean": sum(e.num_turns for e in episodes) / num,
+        "agent/turns_max": float(max(e.num_turns for e in episodes)),
+        "agent/tool_calls_mean": calls / num,
+        "agent/tool_call_turn_frac": with_calls / max(sum(e.num_turns for e in episodes), 1),
+        "agent/well_formed_call_frac": sum(e.turns_well_formed for e in episodes)
+        / max(with_calls, 1),
+        "agent/tool_latency_s": sum(e.tool_seconds for e in episodes) / max(calls, 1),
+        "agent/masked_token_frac": 1.0 - sampled / max(total, 1),
+        "agent/max_turns_reached": sum(e.max_turns_reached for e in episodes) / num,
+        "agent/env_reward_mean": sum(e.reward for e in episodes) / num,
+    }
+    errors: Counter = sum((e.errors for e in episodes), Counter())
+    for kind, count in errors.items():
+        metrics[f"agent/tool_errors_{kind}"] = float(count)
+    return metrics

@@ -1,0 +1,35 @@
+"""A prompt group's fresh samples: plain ones, or agent episodes (rl.agents.episode)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from rl.agents.environment import get_environment
+from rl.agents.episode import start_group
+from rl.agents.tools import resolve_tool
+from rl.config import Config
+from rl.data.prompts import encode_prompt
+from rl.types import Sample, fresh_samples
+
+
+class GroupStarter:
+    """`start(example, group_id, n)`: the n fresh samples answering `example`.
+
+    Single-turn: the prompt as a user turn. Agent runs: each sample an episode of
+    `agent.environment`, whose prompt lists the tools' schemas (read here by importing the
+    tools' modules; the tools themselves run only in the rollout workers' sandboxed pools).
+    """
+
+    def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.env_class = None
+        self.tool_schemas: list[dict] | None = None
+        if cfg.agent.enabled:
+            self.env_class = get_environment(cfg.agent.environment)
+            specs = [*self.env_class.tools, *cfg.agent.tools]
+            self.tool_schemas = [resolve_tool(spec).schema for spec in specs] or None
+
+    def start(self, example: dict, group_id: int, n: int) -> list[Sample]:
+        if self.env_class is None:
+            return fresh_samples([encode_prompt(self.tokenizer, example["prompt"])], n, [group_id])
+        return start_group(self.env_class, self.tokenizer, example, self.tool_schemas, n, group_id)
