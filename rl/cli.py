@@ -86,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--engine", choices=ENGINES.names(), default="vllm", help="rollout engine"
         )
+        command.add_argument(
+            "--environment",
+            help="run multi-turn episodes of this agent environment (rl.agents.environment); "
+            "default: the one the model records, if any",
+        )
+        command.add_argument(
+            "--max-turns", type=int, help="assistant turns at most (default: as recorded, or 4)"
+        )
     return parser
 
 
@@ -194,16 +202,21 @@ def _serve(args: argparse.Namespace) -> int:
         if args.command == "eval":
             task = offline_eval.task_of(Path(args.model), args.task)
             rows = offline_eval.load_eval_rows(Path(args.data), task)
+        agent = offline_eval.agent_of(Path(args.model), args.environment, args.max_turns)
         with offline_eval.model_directory(Path(args.model)) as model_dir:
             evaluator = offline_eval.Evaluator(
-                model_dir, args.max_new_tokens, args.max_model_len, args.seed, args.engine
+                model_dir, args.max_new_tokens, args.max_model_len, args.seed, args.engine, agent
             )
-            if args.command == "eval":
-                result = evaluator.evaluate(rows, task, args.k, args.temperature)
-                print(f"{args.data}: {result.describe()}")
-            else:
-                samples = evaluator.sample([args.prompt], args.n, args.temperature)[0]
-                print(offline_eval.format_samples(args.prompt, samples, evaluator.tokenizer))
+            try:
+                if args.command == "eval":
+                    result = evaluator.evaluate(rows, task, args.k, args.temperature)
+                    print(f"{args.data}: {result.describe()}")
+                else:
+                    example = {"prompt": args.prompt}
+                    samples = evaluator.sample([example], args.n, args.temperature)[0]
+                    print(offline_eval.format_samples(args.prompt, samples, evaluator.tokenizer))
+            finally:
+                evaluator.close()
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -20,10 +20,16 @@ from rl.config import BaseBuildConfig
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|user|>", "<|assistant|>"]
 # User turn, then the assistant's answer ended by EOS; generation starts after <|assistant|>.
+# For agents: the tools' names in a first user turn, and each tool result as a user turn in
+# <tool_response> tags (as Qwen2.5 renders them); assistant tool calls are plain content.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|user|>tools:{% for t in tools %} "
+    "{{ t['function']['name'] if 'function' in t else t['name'] }}{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|endoftext|>{% endif %}"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|endoftext|>"
+    "{% elif m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response>"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -11,6 +11,8 @@ tokens and marked. The environment then decides the observation and whether the 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,10 +47,14 @@ class Episode:
     turns_with_calls: int = 0  # turns with at least one tool call ...
     turns_well_formed: int = 0  # ... all of them well-formed, known and with valid arguments
     num_calls: int = 0
+    num_runs: int = 0  # calls a tool worker ran
     errors: Counter = field(
         default_factory=Counter
     )  # kind -> calls (rl.agents.tool_calls/tool_pool)
     tool_seconds: float = 0.0
+    # (start, end) wall-clock times (time.time()) of the calls run since the driver last took
+    # them for its trace (rl.run.scheduler.loop).
+    tool_spans: list[tuple[float, float]] = field(default_factory=list)
     max_turns_reached: bool = False
 
     @property
@@ -100,23 +106,27 @@ async def observe(
     if calls:
         episode.turns_with_calls += 1
         episode.turns_well_formed += all(isinstance(c, ToolCall) for c in calls)
-    results = []
-    for call in calls:  # started together: a slow tool does not delay the others
-        if isinstance(call, ToolCall):
-            results.append(run_tool(call.name, call.arguments))
+    submitted = time.time()
+    results = [  # started together: a slow tool does not delay the others
+        asyncio.ensure_future(run_tool(call.name, call.arguments))
+        for call in calls
+        if isinstance(call, ToolCall)
+    ]
     messages = []
     for call in calls:
         episode.num_calls += 1
         if isinstance(call, ToolCall):
             result = await results.pop(0)
+            episode.tool_spans.append((submitted, time.time()))
             episode.tool_seconds += result.seconds
+            episode.num_runs += result.error not in ("bad_arguments", "unknown_tool")  # ran
             if result.error is not None:
                 episode.errors[result.error] += 1
-            name, content = call.name, result.output
+            # What the tool printed is cut; our own error texts are short and kept whole.
+            name, content = call.name, _cut(tokenizer, result.output, max_tool_output_tokens)
         else:
             episode.errors[call.kind] += 1
             name, content = "error", error_observation(call, call_format)
-        content = _cut(tokenizer, content, max_tool_output_tokens)
         messages.append({"role": "tool", "name": name, "content": content})
     step = episode.env.step(turn, messages)
     episode.reward += step.reward
@@ -149,7 +159,8 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/tool_call_turn_frac": with_calls / max(sum(e.num_turns for e in episodes), 1),
         "agent/well_formed_call_frac": sum(e.turns_well_formed for e in episodes)
         / max(with_calls, 1),
-        "agent/tool_latency_s": sum(e.tool_seconds for e in episodes) / max(calls, 1),
+        "agent/tool_latency_s": sum(e.tool_seconds for e in episodes)
+        / max(sum(e.num_runs for e in episodes), 1),
         "agent/masked_token_frac": 1.0 - sampled / max(total, 1),
         "agent/max_turns_reached": sum(e.max_turns_reached for e in episodes) / num,
         "agent/env_reward_mean": sum(e.reward for e in episodes) / num,

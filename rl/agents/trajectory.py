@@ -148,6 +148,9 @@ def end_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> str:
     if not sampled:
         raise ValueError(f"sample {sample.group_id}/{sample.index}: a turn without tokens")
     assert len(sample.loss_mask) == episode.turn_start, "a turn closed twice"
+    assert len(sample.logprobs) == len(sample.token_versions) == len(sample.response_ids), (
+        "the engine appended a turn without one log-prob and one version per token"
+    )
     ends_turn = sampled[-1] in tokenizer.all_special_ids
     text = _decode(tokenizer, sampled[:-1] if ends_turn else sampled)
     episode.messages.append({"role": "assistant", "content": text})

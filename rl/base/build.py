@@ -10,38 +10,56 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
+import datasets
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    get_cosine_schedule_with_warmup,
+)
 
+from rl.agents.environment import get_environment
+from rl.agents.tool_pool import ToolPool
+from rl.agents.tools import resolve_tool
+from rl.agents.trajectory import render
+from rl.base.episodes import IGNORE, demonstration_row, greedy_episode_accuracy
 from rl.config import BaseBuildConfig, Config
 from rl.data.loading import PromptStream, load_split
 from rl.data.prompts import encode_prompt
 from rl.data.tasks import Task, get_task
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import SPECIAL_TOKENS, new_qwen2, save_hf_atomic, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
 BASE_INFO = "base_info.json"
 VALIDATE_EVERY = 25  # SFT steps between early-stopping checks (each costs ~2 steps' time)
 NUM_VALIDATION = 200  # train examples held out from SFT for early stopping
-_IGNORE = -100  # label value that cross-entropy skips
 
 
-def _sft_batch(tokenizer: PreTrainedTokenizerBase, examples: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids/attention_mask/labels; labels only on answer tokens and EOS.
+def _answer_row(tokenizer: PreTrainedTokenizerBase, example: dict) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of prompt -> answer: labels only on the answer tokens and EOS.
 
     The answer is encoded on its own after the generation prompt, exactly the token
     sequence that a rollout must produce to be scored correct.
     """
-    rows = []
-    for ex in examples:
-        prompt = encode_prompt(tokenizer, ex["prompt"])
-        answer = tokenizer.encode(ex["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        rows.append((prompt + answer, [_IGNORE] * len(prompt) + answer))
+    prompt = encode_prompt(tokenizer, example["prompt"])
+    answer = tokenizer.encode(example["answer"], add_special_tokens=False)
+    answer.append(tokenizer.eos_token_id)
+    return prompt + answer, [IGNORE] * len(prompt) + answer
+
+
+def _sft_batch(
+    tokenizer: PreTrainedTokenizerBase, rows: list[tuple[list[int], list[int]]]
+) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids/attention_mask/labels of (ids, labels) rows."""
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
     return {
@@ -49,7 +67,7 @@ def _sft_batch(tokenizer: PreTrainedTokenizerBase, examples: list[dict]) -> dict
         "attention_mask": torch.tensor(
             [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]
         ),
-        "labels": torch.tensor([lab + [_IGNORE] * (width - len(lab)) for _, lab in rows]),
+        "labels": torch.tensor([lab + [IGNORE] * (width - len(lab)) for _, lab in rows]),
     }
 
 
@@ -59,10 +77,11 @@ def sft(
     stream: PromptStream,
     cfg: BaseBuildConfig,
     validate: Callable[[], float],
+    row: Callable[[dict], tuple[list[int], list[int]]],
 ) -> dict[str, float | None]:
     """Train `model` in place with AdamW for up to `cfg.sft_steps` steps.
 
-    Every `VALIDATE_EVERY` steps `validate()` (a held-out greedy accuracy) is checked against
+    `row(example)` gives an example's (input ids, labels). Every `VALIDATE_EVERY` steps `validate()` (a held-out greedy accuracy) is checked against
     `cfg.sft_target_accuracy`. Learning to add is abrupt: the loss sits on a plateau for a
     seed-dependent few hundred steps and then accuracy climbs by tens of points per hundred
     steps, so a fixed step count cannot land reliably on an imperfect-but-close base; stopping
@@ -76,7 +95,7 @@ def sft(
     model.train()
     stats: dict[str, float | None] = {"steps": 0, "loss": math.nan, "val_accuracy": None}
     for step in range(1, cfg.sft_steps + 1):
-        batch = _sft_batch(tokenizer, stream.next_batch(cfg.sft_batch_size))
+        batch = _sft_batch(tokenizer, [row(ex) for ex in stream.next_batch(cfg.sft_batch_size)])
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -166,20 +185,24 @@ def build_base(cfg: Config) -> Path:
         num_val = max(1, min(NUM_VALIDATION, len(train) // 10))
         val = [dict(ex) for ex in train.select(range(len(train) - num_val, len(train)))]
         train = train.select(range(len(train) - num_val))
-        tokenizer = train_tokenizer(
-            (text for ex in train for text in (ex["prompt"], ex["answer"])), cfg.base.vocab_size
-        )
-        # Seeded like the run so that `rl build-base` is reproducible end to end.
-        model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
-        max_new = cfg.rollout.max_new_tokens
-        stats = sft(
-            model,
-            tokenizer,
-            PromptStream(train, cfg.run.seed),
-            cfg.base,
-            validate=lambda: greedy_accuracy(model, tokenizer, task, val, max_new),
-        )
-        accuracy = greedy_accuracy(model, tokenizer, task, test, max_new)
+        with ExitStack() as stack:
+            if cfg.agent.enabled:
+                tokenizer, model, row, accuracy_of = _agent_base(cfg, task, train, stack)
+            else:
+                tokenizer = train_tokenizer(
+                    (text for ex in train for text in (ex["prompt"], ex["answer"])),
+                    cfg.base.vocab_size,
+                )
+                # Seeded like the run so that `rl build-base` is reproducible end to end.
+                model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
+                row = partial(_answer_row, tokenizer)
+                max_new = cfg.rollout.max_new_tokens
+                accuracy_of = partial(
+                    greedy_accuracy, model, tokenizer, task, max_new_tokens=max_new
+                )
+            stream = PromptStream(train, cfg.run.seed)
+            stats = sft(model, tokenizer, stream, cfg.base, lambda: accuracy_of(val), row)
+            accuracy = accuracy_of(test)
     finally:
         torch.set_num_threads(threads)
     info = {
@@ -193,11 +216,59 @@ def build_base(cfg: Config) -> Path:
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.time() - start, 2),
     }
+    if cfg.agent.enabled:  # what `rl eval` and `rl generate` run its episodes with
+        info["agent"] = cfg.agent.model_dump()
     path = save_hf_atomic(
         model, tokenizer, cfg.model.path, extra_files={BASE_INFO: json.dumps(info, indent=2)}
     )
     logger.info("built base model at %s: %s", path, info)
     return path
+
+
+def _agent_base(
+    cfg: Config, task: Task, train: datasets.Dataset, stack: ExitStack
+) -> tuple[PreTrainedTokenizerFast, PreTrainedModel, Callable, Callable]:
+    """Tokenizer, model, SFT row and held-out accuracy functions of an agent recipe's base:
+    SFT on the environment's demonstrations, accuracy of greedy episodes with real tools (in a
+    sandboxed pool that `stack` closes)."""
+    agent = cfg.agent
+    env_class = get_environment(agent.environment)
+    specs = [*env_class.tools, *agent.tools]
+    schemas = [resolve_tool(spec).schema for spec in specs] or None
+    # The tokenizer learns merges from whole conversations as the template renders them,
+    # special tokens left out (they are never merged).
+    renderer = train_tokenizer([], cfg.base.vocab_size)
+    specials = re.compile("|".join(map(re.escape, SPECIAL_TOKENS)))
+
+    def texts() -> Iterator[str]:
+        for example in train:
+            messages = env_class().demonstration(example)
+            yield from specials.split(render(renderer, messages, schemas, False))
+
+    tokenizer = train_tokenizer(texts(), cfg.base.vocab_size)
+    model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
+    pool = stack.enter_context(
+        ToolPool(
+            specs,
+            num_workers=agent.tool_workers,
+            timeout_s=agent.tool_timeout_s,
+            cpu_s=agent.tool_cpu_s,
+            memory_mb=agent.tool_memory_mb,
+        )
+    )
+    max_new = cfg.rollout.max_new_tokens
+
+    def accuracy_of(examples: list[dict]) -> float:
+        return greedy_episode_accuracy(
+            model, tokenizer, task, examples, env_class, schemas, pool, agent, max_new
+        )
+
+    return (
+        tokenizer,
+        model,
+        partial(demonstration_row, env_class, tokenizer, tools=schemas),
+        accuracy_of,
+    )
 
 
 def _task_params(cfg: Config) -> dict:

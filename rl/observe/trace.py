@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("generate", "reward", "logprobs", "train", "sync", "eval", "checkpoint")
+PHASES = ("generate", "tool", "reward", "logprobs", "train", "sync", "eval", "checkpoint")
 # What counts as "training" for the overlap fraction (generation running under training).
 TRAINER_PHASES = ("logprobs", "train")
 
@@ -103,6 +103,16 @@ class Trace:
         if phases != self._open_phases:
             self._on_phases(phases)
             self._open_phases = phases
+
+    def add_wall(
+        self, lane: str, phase: str, start: float, end: float, step: int | None = None
+    ) -> None:
+        """Add a span another process measured, in wall-clock seconds (time.time()), such as
+        an agent's tool call in a rollout worker. Spans stay in closing order."""
+        self._check(lane, phase)
+        offset = self._clock() - time.time()
+        span = Span(lane, phase, start + offset, end + offset, step)
+        bisect.insort(self.spans, span, key=lambda s: s.end)
 
     @contextmanager
     def span(self, lane: str, phase: str, step: int | None = None) -> Iterator[None]:

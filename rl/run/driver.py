@@ -200,7 +200,9 @@ def _run(
         resume_step = state.step if state else (-1 if num_restarts else None)
         logger = MetricsLogger(cfg, run_dir, resume_step=resume_step)
         closers.append(logger.close)
-        trace = Trace(plan.trace_lanes(), on_phases=logger.show_phases)
+        # An agent's tool calls run on the rollout workers' CPUs: a lane without devices.
+        lanes = plan.trace_lanes() | ({"tools": []} if cfg.agent.enabled else {})
+        trace = Trace(lanes, on_phases=logger.show_phases)
         loop = _Loop(cfg, rollout, tokenizer, task, test_examples, prompts_stream, trace, logger)
         scheduler = Scheduler(
             Settings.from_config(cfg, placement.use_gpu),

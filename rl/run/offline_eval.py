@@ -1,5 +1,10 @@
 """`rl eval MODEL --data FILE` and `rl generate MODEL PROMPT`: one model, one vLLM engine.
 
+With `--environment NAME` (rl.agents.environment) every sample is a multi-turn episode run by
+the rollout workers' loop (rollout.agent_loop), tools in a sandboxed pool; its answer (the
+last assistant message) is what the task scores, and `rl generate` prints the transcript with
+which tokens the model sampled and which the environment inserted.
+
 MODEL is a Hugging Face model directory (a run's `hf/` export, a base) or a run checkpoint
 (`runs/NAME/checkpoints/step_NNNNNN`), which is exported to a temporary directory first.
 Prompts go through the model's chat template as in training (rl.data.prompts). `rl eval` scores
@@ -18,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl.checkpoint.store import MANIFEST, CheckpointError
-from rl.config import DataConfig, RolloutConfig
+from rl.config import AgentConfig, DataConfig, RolloutConfig
 from rl.data.tasks import TASKS, get_task
-from rl.types import SamplingParams, fresh_samples
+from rl.types import Sample, SamplingParams, fresh_samples
 
 
 @dataclass
@@ -81,12 +86,56 @@ def task_of(model: Path, task: str | None) -> str:
     )
 
 
+def agent_of(model: Path, environment: str | None, max_turns: int | None) -> AgentConfig | None:
+    """The agent set-up to evaluate with: `environment` if given, else the one the model
+    records (an agent base's base_info.json, a run checkpoint's driver.json); None: none.
+    `max_turns` overrides the recorded or default limit."""
+    recorded: dict = {}
+    source = "--environment"
+    for path, key in (
+        (model / "base_info.json", ("agent",)),
+        (model / "driver.json", ("config", "agent")),
+    ):
+        if path.is_file():
+            value = json.loads(path.read_text())
+            for part in key:
+                value = value.get(part, {}) if isinstance(value, dict) else {}
+            if isinstance(value, dict) and value.get("environment"):
+                recorded, source = value, str(path)
+                break
+    if environment is not None:
+        recorded, source = {"environment": environment}, "--environment"
+    if not recorded:
+        return None
+    try:
+        agent = AgentConfig(**recorded)
+        if max_turns is not None:
+            agent.max_turns = max_turns
+    except ValueError as exc:  # pydantic's errors name the key
+        raise ValueError(f"agent set-up in {source}: {exc}") from None
+    from rl.agents.environment import ENVIRONMENTS
+
+    if agent.environment not in ENVIRONMENTS:
+        raise ValueError(
+            f"unknown agent environment {agent.environment!r}; valid: {', '.join(ENVIRONMENTS.names())}"
+        )
+    if agent.max_turns < 1:
+        raise ValueError(f"--max-turns must be >= 1, got {agent.max_turns}")
+    return agent
+
+
 class Evaluator:
     """One in-process rollout engine (`rollout.engines.registry`: vllm or torch) over an HF model
-    directory, in fp32."""
+    directory, in fp32; with `agent` enabled, running episodes (`close()` stops the tools)."""
 
     def __init__(
-        self, model_dir: Path, max_new_tokens: int, max_model_len: int, seed: int, engine: str
+        self,
+        model_dir: Path,
+        max_new_tokens: int,
+        max_model_len: int,
+        seed: int,
+        engine: str,
+        agent: AgentConfig | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -95,26 +144,67 @@ class Evaluator:
         cfg = RolloutConfig(
             engine=engine, max_model_len=max_model_len, max_new_tokens=max_new_tokens
         )
-        self.engine = build_engine(str(model_dir), cfg, "float32", seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.agent = agent if agent is not None and agent.enabled else None
+        self._tools = None
+        if self.agent is not None:  # the tools first: one that cannot load fails fast
+            from rl.agents.environment import get_environment
+            from rl.agents.tool_pool import ToolPool
+
+            self._env_class = get_environment(self.agent.environment)
+            self._tools = ToolPool(
+                [*self._env_class.tools, *self.agent.tools],
+                num_workers=self.agent.tool_workers,
+                timeout_s=self.agent.tool_timeout_s,
+                cpu_s=self.agent.tool_cpu_s,
+                memory_mb=self.agent.tool_memory_mb,
+            )
+        self.engine = build_engine(str(model_dir), cfg, "float32", seed)
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
-    def sample(self, prompts: list[str], n: int, temperature: float) -> list[list]:
-        """n samples (rl.types.Sample) per prompt, in prompt order."""
-        from rl.data.prompts import encode_prompts
+    def close(self) -> None:
+        if self._tools is not None:
+            self._tools.close()
 
-        ids = encode_prompts(self.tokenizer, prompts)
+    def sample(self, examples: list[dict], n: int, temperature: float) -> list[list[Sample]]:
+        """n samples per example (its "prompt", or for an agent the environment's reset), in
+        example order."""
         params = SamplingParams(
             n=n, temperature=temperature, max_new_tokens=self.max_new_tokens, seed=self.seed
         )
-        samples = self.engine.generate(fresh_samples(ids, n, list(range(len(ids)))), params)
-        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+        if self.agent is None:
+            from rl.data.prompts import encode_prompts
+
+            ids = encode_prompts(self.tokenizer, [example["prompt"] for example in examples])
+            samples = self.engine.generate(fresh_samples(ids, n, list(range(len(ids)))), params)
+        else:
+            samples = self._episodes(examples, n, params)
+        return [samples[i * n : (i + 1) * n] for i in range(len(examples))]
+
+    def _episodes(self, examples: list[dict], n: int, params: SamplingParams) -> list[Sample]:
+        import asyncio
+
+        from rl.agents.episode import start_group
+        from rollout.agent_loop import AgentLoop
+        from rollout.engine_loop import GenerationLoop
+
+        schemas = self._tools.schemas or None
+        samples = [
+            sample
+            for i, example in enumerate(examples)
+            for sample in start_group(self._env_class, self.tokenizer, example, schemas, n, i)
+        ]
+
+        async def run() -> list[Sample]:
+            loop = AgentLoop(GenerationLoop(self.engine), self.tokenizer, self.agent, self._tools)
+            return await loop.generate(samples, params)
+
+        return asyncio.run(run())
 
     def evaluate(
         self, examples: list[dict], task_name: str, k: int, temperature: float
     ) -> EvalResult:
         task = get_task(task_name)
-        prompts = [example["prompt"] for example in examples]
 
         def correct(groups: list[list]) -> list[list[float]]:
             return [
@@ -122,11 +212,11 @@ class Evaluator:
                 for group, example in zip(groups, examples, strict=True)
             ]
 
-        greedy = correct(self.sample(prompts, 1, 0.0))
+        greedy = correct(self.sample(examples, 1, 0.0))
         accuracy = sum(scores[0] for scores in greedy) / len(examples)
         if k == 1:
             return EvalResult(len(examples), accuracy, 1, None, None)
-        sampled = correct(self.sample(prompts, k, temperature))
+        sampled = correct(self.sample(examples, k, temperature))
         pass_at_k = sum(max(scores) > 0 for scores in sampled) / len(examples)
         pass_at_1 = sum(sum(scores) / k for scores in sampled) / len(examples)
         return EvalResult(len(examples), accuracy, k, pass_at_k, pass_at_1)
@@ -140,15 +230,39 @@ def load_eval_rows(data_file: Path, task_name: str) -> list[dict]:
     return [dict(row) for row in load_examples(cfg, "test").dataset]
 
 
-def format_samples(prompt: str, samples: list, tokenizer: object) -> str:
-    """What `rl generate` prints: each sample's text, then its tokens with their log-probs."""
+def format_samples(prompt: str, samples: list[Sample], tokenizer: object) -> str:
+    """What `rl generate` prints: each sample's text (an episode's answer and its turns), then
+    its tokens with their log-probs; tokens the environment inserted (tool results, template
+    text) are shown as observations, without a log-prob."""
     lines = [f"prompt: {prompt!r}"]
     for sample in samples:
+        sampled = sample.sampled_mask
+        turns = f", {sample.episode.num_turns} turns" if sample.episode is not None else ""
         lines.append(
-            f"sample {sample.index} ({sample.finish_reason}, log-prob "
-            f"{sum(sample.logprobs):.3f}): {sample.response_text!r}"
+            f"sample {sample.index} ({sample.finish_reason}{turns}, log-prob "
+            f"{sum(lp for lp, m in zip(sample.logprobs, sampled, strict=True) if m):.3f}): "
+            f"{sample.response_text!r}"
         )
-        tokens = [tokenizer.decode([token]) for token in sample.response_ids]
-        pairs = zip(tokens, sample.logprobs, strict=True)
-        lines.append("  " + "  ".join(f"{token!r} {logprob:.3f}" for token, logprob in pairs))
+        if sample.episode is not None:
+            for run_mask, run_ids in _runs(sample.response_ids, sampled):
+                kind = "sampled    " if run_mask else "observation"
+                lines.append(f"  {kind} {tokenizer.decode(run_ids)!r}")
+        pairs = [
+            f"{tokenizer.decode([token])!r} {logprob:.3f}"
+            if m
+            else f"{tokenizer.decode([token])!r} obs"
+            for token, logprob, m in zip(sample.response_ids, sample.logprobs, sampled, strict=True)
+        ]
+        lines.append("  " + "  ".join(pairs))
     return "\n".join(lines)
+
+
+def _runs(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    """`ids` cut where `mask` changes: (mask value, tokens) in order."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(ids, mask, strict=True):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs

@@ -10,8 +10,17 @@ import pytest
 
 from tests.helpers.repo import REPO
 
-# What the inference and training sides may import of the controller.
-_ALLOWED_FROM_RL = ("rl.config", "rl.types", "rl.sync.plan", "rl.sync.transport", "rl.observe")
+# What the inference and training sides may import of the controller; rl.agents is the
+# episode logic the rollout workers run (itself a leaf, below).
+_ALLOWED_FROM_RL = (
+    "rl.config",
+    "rl.types",
+    "rl.sync.plan",
+    "rl.sync.transport",
+    "rl.observe",
+    "rl.agents",
+)
+_AGENTS_MAY_IMPORT = ("rl.agents", "rl.config", "rl.types", "rl.sandbox")
 _TRANSPORTS = (
     "rl.sync.shared_memory",
     "rl.sync.distributed",
@@ -46,6 +55,17 @@ def test_the_inference_and_training_sides_import_only_the_controllers_contracts(
         (file, module)
         for file, module in imports
         if _within(module, ("rl",)) and not _within(module, _ALLOWED_FROM_RL)
+    ]
+    assert not outside, outside
+
+
+def test_the_agents_package_stays_a_leaf_the_rollout_workers_can_import() -> None:
+    imports = _imports("rl/agents")
+    assert any(module.startswith("rl.") for _, module in imports)
+    outside = [
+        (file, module)
+        for file, module in imports
+        if _within(module, ("rl", "rollout", "trainer")) and not _within(module, _AGENTS_MAY_IMPORT)
     ]
     assert not outside, outside
 

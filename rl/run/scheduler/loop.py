@@ -164,6 +164,11 @@ class Scheduler:
         for group_id, samples in finished.items():
             group = self._generating[worker].pop(group_id)
             self.trace.end(f"rollout-{worker}", "generate")
+            for sample in samples:  # an agent's tool calls, on the trace's "tools" lane
+                if sample.episode is not None:
+                    for start, end in sample.episode.tool_spans:
+                        self.trace.add_wall("tools", "tool", start, end, group.step)
+                    sample.episode.tool_spans.clear()
             by_index = {sample.index: sample for sample in samples}
             group.samples = [by_index.get(s.index, s) for s in group.samples]
             if not any(sample.is_partial for sample in group.samples):

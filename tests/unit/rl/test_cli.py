@@ -221,3 +221,24 @@ def test_a_missing_resume_checkpoint_is_named_before_anything_starts(
     result = run_cli("train", DEMO, f"model.path={tiny_model_dir}", "--resume", str(missing))
     assert result.returncode == 2
     assert f"checkpoint {missing} does not exist" in result.stderr
+
+
+def test_generate_with_an_unknown_environment_fails_before_the_engine_starts(
+    tiny_model_dir: Path,
+) -> None:
+    result = run_cli("generate", str(tiny_model_dir), "1+1", "--environment", "nope")
+    assert result.returncode == 2
+    assert "unknown agent environment 'nope'; valid: calculator, tool_use" in result.stderr
+
+
+def test_agent_recipe_errors_name_the_key() -> None:
+    agent = "recipes/agent_calculator_cpu.yaml"
+    for override, message in (
+        ("agent.environment=nope", "agent.environment='nope' is not one of calculator, tool_use"),
+        ("agent.max_turns=0", "agent.max_turns must be >= 1, got 0"),
+        ("agent.tool_call_format=xml", "agent.tool_call_format='xml' is not one of hermes"),
+        ("trainer.share_prompts=true", "trainer.share_prompts does not apply to agent episodes"),
+    ):
+        result = run_cli("train", agent, "--dry-run", override)
+        assert result.returncode == 2, override
+        assert message in result.stderr, result.stderr

@@ -1,7 +1,15 @@
+"""rl.agents.trajectory: an episode's sample grows by appending only: sampled turns verbatim,
+observations rendered by the chat template, the loss mask on the sampled tokens alone."""
+
+import copy
+
 import pytest
 
+from rl.agents.environment import Environment
+from rl.agents.episode import start_group
 from rl.agents.tool_calls import ToolCall, ToolCallError, error_observation, parse_tool_calls
-from rl.agents.trajectory import NOT_SAMPLED, Trajectory
+from rl.agents.trajectory import add_observation, end_turn
+from rl.types import NOT_SAMPLED, Sample
 from tests.helpers.chat_templates import QWEN25_TEMPLATE, qwen_tokenizer
 
 TOOLS = [
@@ -43,6 +51,11 @@ CONVERSATION = PROMPT + [
 ]
 
 
+class Weather(Environment):
+    def reset(self, example: dict) -> list[dict]:
+        return copy.deepcopy(PROMPT)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return qwen_tokenizer()
@@ -56,6 +69,20 @@ def im_end(tokenizer) -> int:
     return tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
+def start(tokenizer, tools: list[dict] | None = TOOLS) -> Sample:
+    """A fresh episode's sample, as an agent run starts it."""
+    (sample,) = start_group(Weather, tokenizer, {}, tools, n=1, group_id=0)
+    return sample
+
+
+def generate(sample: Sample, ids: list[int], version: int) -> None:
+    """What the rollout engine does for one turn: append the sampled tokens, each with its
+    log-prob (all < 0 here) and the version of the policy that sampled it."""
+    sample.response_ids += ids
+    sample.logprobs += [-0.5 - 0.01 * k for k in range(len(ids))]
+    sample.token_versions += [version] * len(ids)
+
+
 def sampled_split(tokenizer, text: str, at: int) -> list[int]:
     """`text` then <|im_end|> as a policy might sample it: split at `at` into two pieces
     encoded apart, which is not how encoding the whole text splits it."""
@@ -64,16 +91,16 @@ def sampled_split(tokenizer, text: str, at: int) -> list[int]:
     return ids
 
 
-def play(tokenizer, turns: list[tuple[list[int], int]], observe) -> Trajectory:
-    """A trajectory of `turns` (sampled ids, version), each but the last followed by the
+def play(tokenizer, turns: list[tuple[list[int], int]], observe) -> Sample:
+    """An episode of `turns` (sampled ids, version), each but the last followed by the
     observation `observe(assistant text)` returns."""
-    trajectory = Trajectory.start(tokenizer, PROMPT, TOOLS)
+    sample = start(tokenizer)
     for i, (ids, version) in enumerate(turns):
-        logprobs = [-0.5 - 0.01 * k for k in range(len(ids))]
-        text = trajectory.add_turn(tokenizer, ids, logprobs, [version] * len(ids), "stop")
+        generate(sample, ids, version)
+        text = end_turn(tokenizer, sample)
         if i < len(turns) - 1:
-            trajectory.add_observation(tokenizer, observe(text))
-    return trajectory
+            assert add_observation(tokenizer, sample, observe(text)) is not None
+    return sample
 
 
 def weather_observation(text: str) -> list[dict]:
@@ -96,8 +123,8 @@ def three_turns(tokenizer):
         sampled_split(tokenizer, TURN_3, TURN_3.index("ny")),  # "sun" + "ny"
     ]
     versions = [3, 3, 4]  # a weight sync landed between turns 2 and 3
-    trajectory = play(tokenizer, list(zip(turns, versions, strict=True)), weather_observation)
-    return trajectory, turns
+    sample = play(tokenizer, list(zip(turns, versions, strict=True)), weather_observation)
+    return sample, turns
 
 
 def expected_pieces(tokenizer) -> list[list[int]]:
@@ -131,12 +158,12 @@ def expected_pieces(tokenizer) -> list[list[int]]:
 def test_sampled_tokens_are_kept_verbatim_and_observations_rendered_by_the_template(
     tokenizer, three_turns
 ):
-    trajectory, turns = three_turns
+    sample, turns = three_turns
     prompt, obs_1, obs_2, after_last = expected_pieces(tokenizer)
     # The template's "\n" after the last <|im_end|> was never appended: nothing followed it.
     assert after_last == encode(tokenizer, "\n")
-    assert trajectory.prompt_ids == prompt
-    assert trajectory.response_ids == turns[0] + obs_1 + turns[1] + obs_2 + turns[2]
+    assert sample.prompt_ids == prompt
+    assert sample.response_ids == turns[0] + obs_1 + turns[1] + obs_2 + turns[2]
     # Spelled out: the observation starts after the sampled <|im_end|> with the template's
     # "\n", and ends with the next generation prompt.
     assert tokenizer.decode(obs_1) == (
@@ -150,61 +177,55 @@ def test_sampled_tokens_are_kept_verbatim_and_observations_rendered_by_the_templ
 
 
 def test_the_messages_hold_the_sampled_text_without_the_end_of_turn(three_turns):
-    trajectory, _ = three_turns
-    assert trajectory.messages == CONVERSATION
+    sample, _ = three_turns
+    assert sample.episode.messages == CONVERSATION
+    assert sample.episode.answer == TURN_3
+    assert sample.episode.num_turns == 3
 
 
 def test_only_sampled_tokens_carry_loss_logprobs_and_versions(tokenizer, three_turns):
-    trajectory, turns = three_turns
+    sample, turns = three_turns
     _, obs_1, obs_2, _ = expected_pieces(tokenizer)
     pieces = [(turns[0], 3), (obs_1, None), (turns[1], 3), (obs_2, None), (turns[2], 4)]
     mask, versions = [], []
     for ids, version in pieces:
         mask += [int(version is not None)] * len(ids)
         versions += [NOT_SAMPLED if version is None else version] * len(ids)
-    assert trajectory.loss_mask == mask
-    assert trajectory.token_versions == versions
-    # The behaviour log-probs of each turn as given (all < 0 here), 0.0 where not sampled.
-    assert [lp < 0 for lp in trajectory.logprobs] == [bool(m) for m in mask]
-    assert all(lp == 0.0 for lp, m in zip(trajectory.logprobs, mask, strict=True) if not m)
-
-
-def test_to_sample_gives_the_trainer_the_sequence_and_its_mask(three_turns):
-    trajectory, _ = three_turns
-    sample, mask = trajectory.to_sample(group_id=7, index=1)
-    assert (sample.group_id, sample.index) == (7, 1)
-    assert sample.prompt_ids + sample.response_ids == trajectory.ids
-    assert mask == trajectory.loss_mask
-    assert sample.logprobs == trajectory.logprobs
-    assert sample.finish_reason == "stop"
-    assert sample.response_text == TURN_3
-    # Observation tokens take the version before them, so the oldest is a sampled token's.
-    assert NOT_SAMPLED not in sample.token_versions
+    assert sample.loss_mask == mask
+    assert sample.sampled_mask == mask
+    assert sample.token_versions == versions
+    # The behaviour log-probs of each turn as the engine gave them (all < 0), 0.0 elsewhere.
+    assert [lp < 0 for lp in sample.logprobs] == [bool(m) for m in mask]
+    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask, strict=True) if not m)
+    # The staleness bound sees the oldest sampled token's version, not NOT_SAMPLED's.
     assert sample.policy_version == 3
-    assert sample.token_versions == sorted(sample.token_versions)
 
 
 def test_a_turn_stopped_without_end_of_turn_gets_the_templates(tokenizer):
     # A stop string ends the turn: no <|im_end|> sampled, so the template's is inserted.
-    trajectory = Trajectory.start(tokenizer, PROMPT, TOOLS)
+    sample = start(tokenizer)
     sampled = encode(tokenizer, TURN_1)
-    trajectory.add_turn(tokenizer, sampled, [-1.0] * len(sampled), [0] * len(sampled), "stop")
-    obs = trajectory.add_observation(tokenizer, [{"role": "tool", "content": RESULT_1}])
+    generate(sample, sampled, 0)
+    assert end_turn(tokenizer, sample) == TURN_1
+    obs = add_observation(tokenizer, sample, [{"role": "tool", "content": RESULT_1}])
     assert obs[0] == im_end(tokenizer)
-    assert trajectory.loss_mask[len(sampled)] == 0
-    assert tokenizer.decode(trajectory.ids) == tokenizer.apply_chat_template(
-        trajectory.messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    assert sample.loss_mask == [1] * len(sampled) + [0] * len(obs)
+    assert tokenizer.decode(sample.prompt_ids + sample.response_ids) == (
+        tokenizer.apply_chat_template(
+            sample.episode.messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
     )
 
 
 def test_a_turn_ended_on_another_special_token_is_refused(tokenizer):
-    trajectory = Trajectory.start(tokenizer, PROMPT, TOOLS)
+    sample = start(tokenizer)
     sampled = encode(tokenizer, TURN_1) + [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    trajectory.add_turn(tokenizer, sampled, [-1.0] * len(sampled), [0] * len(sampled), "stop")
+    generate(sample, sampled, 0)
+    end_turn(tokenizer, sample)
     with pytest.raises(
         ValueError, match=r"Held: .*<\|endoftext\|>'; template renders: .*<\|im_end\|>"
     ):
-        trajectory.add_observation(tokenizer, [{"role": "tool", "content": RESULT_1}])
+        add_observation(tokenizer, sample, [{"role": "tool", "content": RESULT_1}])
 
 
 # Qwen3-style: earlier assistant turns lose their reasoning once a message follows them.
@@ -237,28 +258,59 @@ def test_a_template_that_rerenders_the_history_is_refused_by_name(
 ):
     assert template != QWEN25_TEMPLATE, "the variant's replacement should apply"
     tokenizer = qwen_tokenizer(template, name=name)
-    trajectory = Trajectory.start(tokenizer, PROMPT)
+    sample = start(tokenizer, tools=None)
     sampled = encode(tokenizer, text) + [im_end(tokenizer)]
-    trajectory.add_turn(tokenizer, sampled, [-1.0] * len(sampled), [0] * len(sampled), "stop")
+    generate(sample, sampled, 0)
+    end_turn(tokenizer, sample)
+    before = copy.deepcopy((sample.response_ids, sample.loss_mask, sample.episode.messages))
     with pytest.raises(ValueError) as raised:
-        trajectory.add_observation(tokenizer, [{"role": "user", "content": "And tomorrow?"}])
+        add_observation(tokenizer, sample, [{"role": "user", "content": "And tomorrow?"}])
     message = str(raised.value)
     assert f"chat template of {name} is not append-only" in message
     assert "first at character" in message and "held tokens around it" in message
     held_part, rendered_part = message.split("Held: ")[1].split("; template renders: ")
     assert held in held_part and rendered in rendered_part
-    assert len(trajectory.response_ids) == len(sampled), "nothing appended after the error"
+    after = (sample.response_ids, sample.loss_mask, sample.episode.messages)
+    assert after == before, "nothing appended after the error"
 
 
 def test_turns_and_observations_alternate(tokenizer):
-    trajectory = Trajectory.start(tokenizer, PROMPT, TOOLS)
+    sample = start(tokenizer)
     with pytest.raises(ValueError, match="an observation follows a turn"):
-        trajectory.add_observation(tokenizer, [{"role": "tool", "content": RESULT_1}])
+        add_observation(tokenizer, sample, [{"role": "tool", "content": RESULT_1}])
+    with pytest.raises(ValueError, match="a turn without tokens"):
+        end_turn(tokenizer, sample)  # the engine appended nothing
     ids = encode(tokenizer, TURN_3) + [im_end(tokenizer)]
-    with pytest.raises(ValueError, match="one log-prob and one version per sampled token"):
-        trajectory.add_turn(tokenizer, ids, [-1.0], [0] * len(ids), "stop")
-    trajectory.add_turn(tokenizer, ids, [-1.0] * len(ids), [0] * len(ids), "stop")
-    with pytest.raises(ValueError, match="not another turn"):
-        trajectory.add_turn(tokenizer, ids, [-1.0] * len(ids), [0] * len(ids), "stop")
+    generate(sample, ids, 0)
+    end_turn(tokenizer, sample)
+    with pytest.raises(ValueError, match="a turn without tokens"):
+        end_turn(tokenizer, sample)  # closed already: not another turn
     with pytest.raises(ValueError, match="at least one message"):
-        trajectory.add_observation(tokenizer, [])
+        add_observation(tokenizer, sample, [])
+    add_observation(tokenizer, sample, [{"role": "user", "content": "And tomorrow?"}])
+    with pytest.raises(ValueError, match="an observation follows a turn"):
+        add_observation(tokenizer, sample, [{"role": "user", "content": "And tomorrow?"}])
+    assert sample.episode.num_turns == 1
+
+
+def test_an_observation_that_does_not_fit_appends_nothing(tokenizer):
+    _, obs_1, _, _ = expected_pieces(tokenizer)
+    turn = sampled_split(tokenizer, TURN_1, TURN_1.index("ther in"))
+    observation = [{"role": "tool", "content": RESULT_1}]
+    # One token short of the room the observation needs: nothing changes.
+    sample = start(tokenizer)
+    generate(sample, turn, 0)
+    end_turn(tokenizer, sample)
+    before = copy.deepcopy(sample)
+    limit = len(turn) + len(obs_1)
+    assert add_observation(tokenizer, sample, observation, max_response_tokens=limit - 1) is None
+    assert sample.response_ids == before.response_ids
+    assert sample.loss_mask == before.loss_mask
+    assert sample.logprobs == before.logprobs
+    assert sample.token_versions == before.token_versions
+    assert sample.episode.messages == before.episode.messages
+    assert sample.episode.turn_start == before.episode.turn_start == len(turn)
+    # Exactly the room it needs: appended.
+    assert add_observation(tokenizer, sample, observation, max_response_tokens=limit) == obs_1
+    assert len(sample.response_ids) == limit
+    assert sample.episode.turn_start == limit

@@ -92,8 +92,24 @@ def test_unknown_lane_raises_naming_the_valid_lanes() -> None:
 
 def test_unknown_phase_raises_naming_the_valid_phases() -> None:
     trace, _ = _trace()
-    with pytest.raises(ValueError, match="generate, reward, logprobs, train"):
+    with pytest.raises(ValueError, match="generate, tool, reward, logprobs, train"):
         trace.end("trainer", "backward")
+
+
+def test_a_span_measured_elsewhere_in_wall_clock_joins_in_closing_order(monkeypatch) -> None:
+    trace, clock = _trace()
+    trace.begin("rollout-0", "generate")
+    clock.now = 10.0
+    trace.end("rollout-0", "generate")  # closes at 10 on the trace's clock
+    # Another process measured a span at wall-clock 1000..1004; wall clock reads 1010 now,
+    # when the trace's reads 10: the span is 0..4 on the trace's clock, closing first.
+    monkeypatch.setattr("rl.observe.trace.time.time", lambda: 1010.0)
+    trace.add_wall("driver", "tool", 1000.0, 1004.0, step=2)
+    assert [(s.phase, s.start, s.end, s.step) for s in trace.spans] == [
+        ("tool", 0.0, 4.0, 2),
+        ("generate", 0.0, 10.0, None),
+    ]
+    assert trace.summary(0.0, 10.0)["perf/busy_s_tool"] == 4.0
 
 
 def test_busy_fraction_is_the_mean_over_devices_of_the_union_of_their_lanes_spans() -> None:

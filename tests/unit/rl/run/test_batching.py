@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl.run.batching import build_batch, per_sample
-from rl.types import Sample
+from rl.types import NOT_SAMPLED, Sample
 
 
 def test_response_targets_are_masked_and_carry_behaviour_logprobs() -> None:
@@ -76,3 +77,46 @@ def test_a_batch_without_every_samples_annotation_has_none() -> None:
     samples.append(Sample([5], group_id=1, response_ids=[8], logprobs=[-0.2]))
     batch = build_batch(samples, pad_id=0)
     assert batch.old_values is None and batch.ref_logprobs is None
+
+
+def multi_turn_sample() -> Sample:
+    """Prompt [5, 6]; a turn [7, 8] sampled by version 2, an observation [20, 21, 22] the
+    environment inserted, a last turn [9] sampled by version 3."""
+    return Sample(
+        prompt_ids=[5, 6],
+        group_id=0,
+        response_ids=[7, 8, 20, 21, 22, 9],
+        logprobs=[-0.1, -0.2, 0.0, 0.0, 0.0, -0.3],
+        token_versions=[2, 2, NOT_SAMPLED, NOT_SAMPLED, NOT_SAMPLED, 3],
+        loss_mask=[1, 1, 0, 0, 0, 1],
+    )
+
+
+def test_a_multi_turn_sample_trains_on_its_sampled_targets_only() -> None:
+    single = Sample([5], group_id=1, response_ids=[4], logprobs=[-0.5])
+    batch = build_batch([multi_turn_sample(), single], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 20, 21, 22, 9], [5, 4, 0, 0, 0, 0, 0, 0]]
+    # Target t is token t+1: 7 and 8 at targets 1, 2 (sampled), 20, 21, 22 at 3, 4, 5
+    # (observation), 9 at 6 (sampled); the single-turn row's 4 at target 0.
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0]]
+    assert torch.allclose(
+        batch.behaviour_logprobs[0], torch.tensor([0.0, -0.1, -0.2, 0.0, 0.0, 0.0, -0.3])
+    )
+
+
+def test_policy_version_is_the_oldest_sampled_tokens_not_an_observations() -> None:
+    assert multi_turn_sample().policy_version == 2
+    sample = multi_turn_sample()
+    # Whichever sampled token is the oldest, not the first.
+    sample.token_versions = [5, 5, NOT_SAMPLED, NOT_SAMPLED, NOT_SAMPLED, 4]
+    assert sample.policy_version == 4
+
+
+def test_a_sample_whose_turn_is_still_being_generated_is_refused() -> None:
+    sample = multi_turn_sample()
+    # The engine appended a turn [10, 11] that end_turn has not closed: no mask for it yet.
+    sample.response_ids += [10, 11]
+    sample.logprobs += [-0.4, -0.5]
+    sample.token_versions += [3, 3]
+    with pytest.raises(AssertionError, match="a turn is still being generated"):
+        build_batch([sample], pad_id=0)

@@ -1,0 +1,97 @@
+"""The agent recipe end to end, with fewer steps: its base built from tool-use demonstrations,
+multi-turn GRPO with the sandboxed python tool while the next step's episodes overlap training
+(aborted at each sync and resumed), then `rl generate` and `rl eval` running episodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.repo import REPO
+
+pytestmark = pytest.mark.e2e
+
+RECIPE = "recipes/agent_calculator_cpu.yaml"
+
+
+def _rl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
+    tmp_path: Path,
+) -> None:
+    overrides = [
+        f"model.path={tmp_path / 'base'}",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "data.num_train=3000",
+        "base.sft_steps=150",
+        "run.num_steps=3",
+        "run.prompts_per_step=8",
+        "run.eval_every=3",
+        "run.num_eval_prompts=16",
+        "run.wandb_mode=disabled",
+        "run.tensorboard=false",
+        "scheduler.max_staleness=1",
+        "scheduler.partial_rollout=abort",
+        "trainer.micro_batch_size=32",
+    ]
+    dry = _rl("train", RECIPE, "--dry-run", *overrides)
+    assert dry.returncode == 0, dry.stderr[-4000:]
+    assert "agent: environment calculator, tools python (hermes calls)" in dry.stdout
+
+    result = _rl("train", RECIPE, *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    base_info = json.loads((tmp_path / "base" / "base_info.json").read_text())
+    # The base answers through the tool part of the time: SFT stopped early, RL has headroom.
+    assert 0.3 <= base_info["sft_val_accuracy"] < 1.0
+    assert base_info["agent"]["environment"] == "calculator"
+
+    run_dir = tmp_path / "runs" / "agent-calculator"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records[1:]:
+        # Episodes called the tool, read its result (masked out of the loss) and answered.
+        assert record["agent/tool_calls_mean"] > 0.5
+        assert record["agent/turns_mean"] > 1.5
+        assert 0 < record["agent/masked_token_frac"] < 1
+        assert record["agent/tool_latency_s"] > 0
+        assert record["reward/mean"] > 0
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3]
+    # Overlapped: the episodes generating while step 1 trained waited for its weights.
+    assert max(r["rollout/staleness_max"] for r in records[1:]) <= 1
+
+    exported = run_dir / "hf"
+    generated = _rl(
+        "generate", str(exported), "1234567+7654321", "--environment", "calculator",
+        "--engine", "torch", "--max-new-tokens", "96", "--temperature", "0",
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr[-4000:]
+    # The transcript marks the tool's output as inserted, not sampled.
+    assert "observation '<|user|><tool_response>" in generated.stdout, generated.stdout
+    assert "sampled     '<tool_call>" in generated.stdout, generated.stdout
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b)}) + "\n"
+            for a, b in [(1234567, 7654321), (5550001, 1000999), (8000000, 1999999)]
+        )
+    )
+    # The environment comes from what the checkpoint records.
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    evaluated = _rl("eval", str(checkpoint), "--data", str(rows), "--engine", "torch",
+                    "--max-new-tokens", "96")  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-4000:]
+    assert "greedy accuracy" in evaluated.stdout and "over 3 prompts" in evaluated.stdout

@@ -1,0 +1,611 @@
+"""AgentLoop with real parts: the PyTorch and vLLM engines in this process, a sandboxed
+ToolPool with the built-in `python` tool, and a tiny Qwen2 with Qwen2.5's chat template
+(tools in the system prompt, "tool" messages as <tool_response> blocks).
+
+An untrained model writes no tool calls, so the episodes here run a scripted environment
+that answers every turn (a tool result, then a user's reply) until the third. The model's
+end-of-turn token is made likely (`_make_turns_short`) so that its turns end by themselves
+after a few tokens rather than at the token limit. Where a test needs a tool called, the
+episode starts as a turn aborted mid-way that had written the call (rollout.agent_loop
+resumes it like any partial sample).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import pickle
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from rl.agents.environment import Environment, EnvStep
+from rl.agents.episode import start_group
+from rl.agents.tool_pool import WORKER_GRACE_S, ToolPool
+from rl.agents.trajectory import observation_ids
+from rl.config import AgentConfig, BaseBuildConfig, RolloutConfig
+from rl.types import NOT_SAMPLED, Sample, SamplingParams
+from rollout.agent_loop import AgentLoop
+from rollout.engine_loop import GenerationLoop
+from rollout.engines.contract import RolloutEngine
+from rollout.engines.registry import build_engine
+from tests.helpers.chat_templates import qwen_tokenizer
+from tests.helpers.processes import child_pids
+from tests.helpers.waiting import HANG_GUARD_S, wait_until
+from trainer.hf_model import new_qwen2, save_hf_atomic
+
+pytestmark = pytest.mark.integration
+
+TEMPERATURE = 0.7
+NUM_TURNS = 3
+# Prompts (Qwen2.5's system prompt lists the tools) are ~590 tokens with python, ~820 with two.
+MAX_NEW_TOKENS = 256
+ROLLOUT = RolloutConfig(kv_cache_gb=0.0625, max_model_len=1280, temperature=TEMPERATURE)
+AGENT = AgentConfig(environment="tool_use", max_turns=NUM_TURNS + 1, tool_workers=2)
+EXAMPLE = {"prompt": "What is 2+2? Use python."}
+PARITY_TOL = 1e-4  # fp32 engine log-probs against a plain HF forward (tests/integration/rollout)
+
+
+class ThreeTurns(Environment):
+    """Answers each assistant turn until the third: with the results of its tool calls when
+    it made any, else with a scripted tool result (after the first turn) or a user's reply
+    (after the second). Its state travels with the sample, like every environment's."""
+
+    tools = ("python",)
+
+    def reset(self, example: dict) -> list[dict]:
+        self.turns = 0
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, turn: str, tool_messages: list[dict]) -> EnvStep:
+        self.turns += 1
+        if self.turns == NUM_TURNS:
+            return EnvStep(reward=1.0, done=True)
+        if tool_messages:
+            return EnvStep(tool_messages, reward=0.5)
+        if self.turns == 1:
+            return EnvStep([{"role": "tool", "name": "python", "content": "4"}], reward=0.5)
+        return EnvStep([{"role": "user", "content": "Check it with python, please."}])
+
+
+# -- a tiny model whose turns end ------------------------------------------------------------
+
+
+def _make_turns_short(model: torch.nn.Module, eos: int, boost: float = 0.4) -> None:
+    """Make the end-of-turn token likely (~10% a token at temperature 0.7) whatever the
+    context: one hidden dimension is the same large value in every token's embedding, so it
+    dominates the final norm's output, and only EOS's output row gains from it. (Tied or
+    not: the tied output row of every token has the constant too, except EOS's, raised.)"""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.5
+        head = model.lm_head.weight
+        head[eos, 0] = head[:, 0].mean() + boost
+
+
+def _build_checkpoint(path: Path, tied: bool) -> Path:
+    """A 2-layer Qwen2 (head_dim 32, for vLLM's CPU attention) with Qwen2.5's template."""
+    tokenizer = qwen_tokenizer()
+    cfg = BaseBuildConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=tied,
+    )
+    model = new_qwen2(cfg, tokenizer, seed=0)
+    _make_turns_short(model, tokenizer.eos_token_id)
+    return save_hf_atomic(model, tokenizer, path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("agent-models")
+    return {kind: _build_checkpoint(root / kind, kind == "tied") for kind in ("untied", "tied")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs: dict[str, Path]) -> PreTrainedTokenizerBase:
+    """The checkpoints' tokenizer (both have the same), as the engines load it."""
+    return AutoTokenizer.from_pretrained(model_dirs["untied"])
+
+
+class Engines:
+    """Engines built in this process: one shared per (engine, model) and fresh ones (another
+    worker). vLLM in this process sets environment variables, torch's thread count and a
+    torch.distributed group; `close` puts them back."""
+
+    def __init__(self, model_dirs: dict[str, Path]) -> None:
+        self.model_dirs = model_dirs
+        self._shared: dict[tuple[str, str], RolloutEngine] = {}
+        self._all: list[RolloutEngine] = []
+        self._environ = dict(os.environ)
+        self._threads = torch.get_num_threads()
+
+    def shared(self, name: str, kind: str) -> RolloutEngine:
+        if (name, kind) not in self._shared:
+            self._shared[name, kind] = self.fresh(name, kind)
+        return self._shared[name, kind]
+
+    def fresh(self, name: str, kind: str) -> RolloutEngine:
+        cfg = ROLLOUT.model_copy(update={"engine": name})
+        engine = build_engine(str(self.model_dirs[kind]), cfg, "float32", 0)
+        self._all.append(engine)
+        return engine
+
+    def close(self) -> None:
+        self._shared.clear()
+        self._all.clear()
+        gc.collect()
+        if "vllm" in sys.modules:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        os.environ.clear()
+        os.environ.update(self._environ)
+        torch.set_num_threads(self._threads)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs: dict[str, Path]) -> Iterator[Engines]:
+    made = Engines(model_dirs)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _tool_pool(cfg: AgentConfig, env: type[Environment]) -> ToolPool:
+    """The pool a rollout worker starts for `cfg` (rollout.worker.RolloutWorker._agent_loop)."""
+    return ToolPool(
+        [*env.tools, *cfg.tools],
+        num_workers=cfg.tool_workers,
+        timeout_s=cfg.tool_timeout_s,
+        cpu_s=cfg.tool_cpu_s,
+        memory_mb=cfg.tool_memory_mb,
+    )
+
+
+@pytest.fixture(scope="module")
+def tools() -> Iterator[ToolPool]:
+    with _tool_pool(AGENT, ThreeTurns) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_workers_left() -> Iterator[None]:
+    yield
+    wait_until(lambda: not child_pids(b"rl.agents.tool_worker"), "tool workers exiting")
+
+
+# -- what the engine sampled, piece by piece -------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """Tokens an engine appended to a sample in one generate call (a turn, or the part of it
+    before an abort or after a resume)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    version: int
+    finish_reason: str
+
+
+Pieces = dict[tuple[int, int], list[Piece]]  # (group_id, index) -> in order
+
+
+class Recording:
+    """The engine as GenerationLoop sees it, recording what it appends to each sample and
+    how many steps each running sample's current call has had."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+        self.pieces: Pieces = defaultdict(list)
+        self.num_steps = 0
+        self._running: dict[int, tuple[Sample, int, int]] = {}  # id -> sample, length, step
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def start(self, samples: list[Sample], params: SamplingParams) -> None:
+        self.engine.start(samples, params)
+        for s in samples:
+            self._running[id(s)] = (s, len(s.response_ids), self.num_steps)
+
+    def step(self) -> list[Sample]:
+        finished = self.engine.step()
+        self.num_steps += 1
+        self._record(finished)
+        return finished
+
+    def abort(self) -> list[Sample]:
+        aborted = self.engine.abort()
+        self._record(aborted)
+        return aborted
+
+    def mid_turn(self, min_steps: int) -> Sample | None:
+        """A sample generating a turn after an observation, `min_steps` steps into it."""
+        for sample, _, step in self._running.values():
+            if sample.episode.num_turns >= 1 and self.num_steps - step >= min_steps:
+                return sample
+        return None
+
+    def _record(self, samples: list[Sample]) -> None:
+        for s in samples:
+            _, start, _ = self._running.pop(id(s))
+            assert set(s.token_versions[start:]) <= {self.engine.version}
+            piece = Piece(
+                s.response_ids[start:], s.logprobs[start:], self.engine.version, s.finish_reason
+            )
+            self.pieces[s.group_id, s.index].append(piece)
+
+
+def _agent_loop(engine: Recording, tokenizer, tools: ToolPool, cfg: AgentConfig = AGENT):
+    return AgentLoop(GenerationLoop(engine), tokenizer, cfg, tools)
+
+
+def _groups(tokenizer, tools: ToolPool, num_groups: int, n: int) -> dict[int, list[Sample]]:
+    return {
+        g: start_group(ThreeTurns, tokenizer, EXAMPLE, tools.schemas, n, g)
+        for g in range(num_groups)
+    }
+
+
+async def _collect(loop: AgentLoop, keys: set[int]) -> dict[int, list[Sample]]:
+    """Poll until every batch in `keys` is back."""
+    back: dict[int, list[Sample]] = {}
+    while set(back) != keys:
+        back.update(await asyncio.wait_for(loop.poll(), HANG_GUARD_S))
+    return back
+
+
+def _run(loop: AgentLoop, batches: dict[int, list[Sample]], params: SamplingParams):
+    async def run() -> dict[int, list[Sample]]:
+        loop.start(batches, params)
+        return await _collect(loop, set(batches))
+
+    return asyncio.run(run())
+
+
+def _samples(batches: dict[int, list[Sample]]) -> list[Sample]:
+    return [s for key in sorted(batches) for s in batches[key]]
+
+
+def _params(seed: int, n: int) -> SamplingParams:
+    return SamplingParams(MAX_NEW_TOKENS, n=n, temperature=TEMPERATURE, seed=seed)
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def check_trajectory(tokenizer, sample: Sample, pieces: list[Piece]) -> list[list[int]]:
+    """The sample holds its prompt, then, turn by turn, exactly the tokens the engine
+    appended (`pieces`: a turn aborted and resumed is several) with their log-probs and
+    versions, each followed by the observation's tokens as the chat template renders the
+    episode's messages (log-prob 0.0, NOT_SAMPLED); the loss mask is 1 on the first, 0 on
+    the second. Returns the turns' tokens."""
+    episode = sample.episode
+    messages, k = episode.messages, 1  # the environment's reset gave one message
+    held = list(sample.prompt_ids)
+    mask, logprobs, versions, turns = [], [], [], []
+    pieces = list(pieces)
+    assert pieces, "no turn generated"
+    while pieces:
+        turn = [pieces.pop(0)]
+        while turn[-1].finish_reason == "abort" and pieces:
+            turn.append(pieces.pop(0))
+        ids = [t for piece in turn for t in piece.ids]
+        held += ids
+        mask += [1] * len(ids)
+        logprobs += [lp for piece in turn for lp in piece.logprobs]
+        versions += [piece.version for piece in turn for _ in piece.ids]
+        if turn[-1].finish_reason == "abort":  # stopped mid-turn: no message for it yet
+            assert sample.is_partial and k == len(messages)
+            assert len(sample.loss_mask) == episode.turn_start == len(mask) - len(ids)
+            mask = mask[: episode.turn_start]
+            break
+        turns.append(ids)
+        ends_turn = ids[-1] in tokenizer.all_special_ids
+        assert messages[k] == {
+            "role": "assistant",
+            "content": _decode(tokenizer, ids[:-1] if ends_turn else ids),
+        }
+        k += 1
+        observation = []
+        while k < len(messages) and messages[k]["role"] != "assistant":
+            observation.append(messages[k])
+            k += 1
+        if observation:
+            before = messages[: k - len(observation)]
+            ids = observation_ids(tokenizer, held, before, observation, episode.tools)
+            held += ids
+            mask += [0] * len(ids)
+            logprobs += [0.0] * len(ids)
+            versions += [NOT_SAMPLED] * len(ids)
+    assert k == len(messages)
+    assert sample.prompt_ids + sample.response_ids == held
+    assert sample.loss_mask == mask
+    assert sample.logprobs == logprobs
+    assert sample.token_versions == versions
+    assert episode.turn_start == len(sample.loss_mask)
+    return turns
+
+
+def _hf_logprobs(model, sample: Sample) -> torch.Tensor:
+    """log softmax(logits / T) of each response token given everything before it."""
+    seq = sample.prompt_ids + sample.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return logp.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+
+
+def parity_gap(model, sample: Sample) -> float:
+    """Largest |engine - HF| log-prob over the sampled tokens."""
+    sampled = torch.tensor(sample.loss_mask[: len(sample.response_ids)]) == 1
+    gap = torch.tensor(sample.logprobs) - _hf_logprobs(model, sample)
+    return gap[sampled].abs().max().item()
+
+
+def _complete(sample: Sample, errors: dict[str, int] | None = None) -> None:
+    """A finished episode of NUM_TURNS turns, with these tool errors (default none)."""
+    assert sample.finish_reason == "stop", sample.finish_reason
+    assert sample.episode.num_turns == NUM_TURNS
+    assert sample.episode.errors == (errors or {})
+    assert sample.response_text == sample.episode.answer
+    assert sample.policy_version == 0
+
+
+# -- 1. log-prob parity over turns -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+@pytest.mark.parametrize("engine_name", ["torch", "vllm"])
+def test_multi_turn_logprobs_match_transformers_and_observations_are_inserted(
+    engines: Engines, tokenizer, tools: ToolPool, engine_name: str, kind: str
+) -> None:
+    engine = Recording(engines.shared(engine_name, kind))
+    batches = _groups(tokenizer, tools, num_groups=2, n=2)
+    back = _run(_agent_loop(engine, tokenizer, tools), batches, _params(seed=3, n=2))
+
+    assert back == batches
+    model = AutoModelForCausalLM.from_pretrained(engines.model_dirs[kind])
+    turns = []
+    for sample in _samples(back):
+        _complete(sample)
+        assert sample.episode.reward == 0.5 + 0.0 + 1.0  # the tool result, the reply, the end
+        assert [m["role"] for m in sample.episode.messages] == [
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "user",
+            "assistant",
+        ]
+        turns += check_trajectory(tokenizer, sample, engine.pieces[sample.group_id, sample.index])
+        assert 0 < sum(sample.loss_mask) < len(sample.response_ids)
+        assert parity_gap(model, sample) < PARITY_TOL
+    # Re-encoding the turns' text would change some of them (a split BPE would not make,
+    # bytes of broken UTF-8), so the checks above would notice it.
+    assert any(
+        tokenizer(_decode(tokenizer, t), add_special_tokens=False)["input_ids"] != t for t in turns
+    )
+
+
+# -- 2. interrupted mid-turn, resumed here or on another worker --------------------------------
+
+MIN_TURN_STEPS = 3  # how far into a turn after an observation the interrupt comes
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "vllm"])
+def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
+    engines: Engines, tokenizer, tools: ToolPool, engine_name: str
+) -> None:
+    """Seeds (SamplingParams.seed_of) move on with the response length at every generate
+    call, a resumed turn's included, so a resumed episode need not end as the uninterrupted
+    one. What a seeded run guarantees: the same tokens as the uninterrupted run up to the
+    interrupt, the same episodes for those that had finished, and a resumption that gives
+    the same tokens on whichever worker resumes it."""
+    params = _params(seed=11, n=2)
+    engine = Recording(engines.shared(engine_name, "untied"))
+    uninterrupted = _samples(
+        _run(_agent_loop(engine, tokenizer, tools), _groups(tokenizer, tools, 2, 2), params)
+    )
+
+    batches = _groups(tokenizer, tools, 2, 2)
+    engine = Recording(engine.engine)
+    loop = _agent_loop(engine, tokenizer, tools)
+    partial: dict[int, list[Sample]] = {}
+    at_interrupt: dict[tuple[int, int], Sample] = {}  # copies of the partial samples
+
+    async def interrupted_then_resumed() -> None:
+        loop.start(batches, params)
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (target := engine.mid_turn(MIN_TURN_STEPS)) is None:
+            assert time.monotonic() < deadline, "no turn after an observation ran long enough"
+            await asyncio.sleep(0)
+        num_aborted = loop.interrupt()
+        assert await _collect(loop, set(batches)) == batches
+
+        assert target.finish_reason == "abort"
+        assert len(target.response_ids) - target.episode.turn_start >= MIN_TURN_STEPS
+        for key, samples in batches.items():
+            if kept := [s for s in samples if s.is_partial]:
+                partial[key] = kept
+        at_interrupt.update(
+            ((s.group_id, s.index), s) for s in pickle.loads(pickle.dumps(_samples(partial)))
+        )
+        assert 1 <= num_aborted <= len(at_interrupt)
+        # Resumed as the driver resumes them: the partial samples only.
+        loop.start(partial, params)
+        assert await _collect(loop, set(partial)) == partial
+
+    asyncio.run(interrupted_then_resumed())
+
+    # Another worker resumes a copy (samples cross workers pickled): a fresh engine, as if
+    # synced to version 1 of the same weights, and a fresh tool pool.
+    elsewhere = pickle.loads(pickle.dumps(at_interrupt))
+    other = Recording(engines.fresh(engine_name, "untied"))
+    other.engine.version = 1
+    with _tool_pool(AGENT, ThreeTurns) as pool:
+        copies = {key: [s for s in elsewhere.values() if s.group_id == key] for key in partial}
+        _run(_agent_loop(other, tokenizer, pool), copies, params)
+
+    model = AutoModelForCausalLM.from_pretrained(engines.model_dirs["untied"])
+    for sample, whole in zip(_samples(batches), uninterrupted, strict=True):
+        key = (sample.group_id, sample.index)
+        _complete(sample)
+        check_trajectory(tokenizer, sample, engine.pieces[key])
+        assert parity_gap(model, sample) < PARITY_TOL
+        if key not in at_interrupt:  # finished before the interrupt
+            assert sample.response_ids == whole.response_ids
+            assert sample.logprobs == pytest.approx(whole.logprobs, abs=1e-6)
+            continue
+        stopped = at_interrupt[key]
+        length = len(stopped.response_ids)
+        assert stopped.finish_reason == "abort"
+        assert stopped.episode.num_turns < NUM_TURNS
+        assert len(stopped.loss_mask) == stopped.episode.turn_start <= length
+        assert stopped.response_ids == whole.response_ids[:length]
+        assert stopped.logprobs == pytest.approx(whole.logprobs[:length], abs=1e-6)
+        assert sample.response_ids[:length] == stopped.response_ids
+
+        copy = elsewhere[key]
+        _complete(copy)
+        num_pieces = len(engine.pieces[key]) - len(other.pieces[key])
+        check_trajectory(tokenizer, copy, engine.pieces[key][:num_pieces] + other.pieces[key])
+        assert copy.response_ids == sample.response_ids
+        assert copy.loss_mask == sample.loss_mask
+        assert copy.logprobs == pytest.approx(sample.logprobs, abs=1e-6)
+        assert copy.episode.messages == sample.episode.messages
+        # The tokens sampled before the interrupt keep version 0, the later ones carry 1.
+        assert copy.token_versions[:length] == stopped.token_versions
+        resumed = [v for v, m in zip(copy.token_versions, copy.loss_mask, strict=True) if m][
+            sum(stopped.loss_mask) + length - len(stopped.loss_mask) :
+        ]
+        assert resumed and set(resumed) == {1}
+        assert copy.policy_version == 0
+
+
+# -- 3. a hung tool holds up its own episode only ----------------------------------------------
+
+TOOL_TIMEOUT_S = 4.0
+SLOW_TOOLS = '''
+import os
+import time
+
+
+def hang(pid_file: str) -> str:
+    """Write this process's pid to a file, then sleep far past any timeout.
+
+    Args:
+        pid_file: Where to write the pid.
+    """
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(1000)
+    return "woke up"
+'''
+
+
+@pytest.fixture
+def slow_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A tool module in a directory of its own, importable here (the driver reads the tool's
+    schema) and, through the PYTHONPATH the pool gives them, in the tool workers."""
+    (tmp_path / "agent_slow_tools.py").write_text(SLOW_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "agent_slow_tools:hang"
+    sys.modules.pop("agent_slow_tools", None)
+
+
+def _calling(tokenizer, sample: Sample, name: str, arguments: dict) -> Sample:
+    """`sample` as if its first turn had been aborted just after writing a call of `name`:
+    the engine resumes the turn from there."""
+    call = json.dumps({"name": name, "arguments": arguments})
+    ids = tokenizer(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)["input_ids"]
+    sample.response_ids = ids
+    sample.logprobs = [-1.0] * len(ids)
+    sample.token_versions = [0] * len(ids)
+    sample.finish_reason = "abort"
+    return sample
+
+
+def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
+    engines: Engines, tokenizer, slow_tools: str, tmp_path: Path
+) -> None:
+    cfg = AGENT.model_copy(
+        update={"tools": [slow_tools], "tool_timeout_s": TOOL_TIMEOUT_S, "tool_workers": 3}
+    )
+    pid_file = tmp_path / "hang.pid"
+    engine = Recording(engines.shared("torch", "untied"))
+    with _tool_pool(cfg, ThreeTurns) as pool:
+        batches = {
+            g: start_group(ThreeTurns, tokenizer, EXAMPLE, pool.schemas, 1, g) for g in range(3)
+        }
+        _calling(tokenizer, batches[0][0], "hang", {"pid_file": str(pid_file)})
+        for g in (1, 2):
+            _calling(tokenizer, batches[g][0], "python", {"code": f"print({g} * 21)"})
+        # What the engine did not sample: the tool calls' tokens.
+        prefilled = {
+            g: Piece(list(b[0].response_ids), [-1.0] * len(b[0].response_ids), 0, "abort")
+            for g, b in batches.items()
+        }
+        loop = _agent_loop(engine, tokenizer, pool, cfg)
+
+        async def run() -> dict[int, float]:
+            start = time.monotonic()
+            loop.start(batches, _params(seed=5, n=1))
+            back: dict[int, float] = {}
+            while len(back) < len(batches):
+                for key in await asyncio.wait_for(loop.poll(), HANG_GUARD_S):
+                    back[key] = time.monotonic() - start
+            return back
+
+        seconds = asyncio.run(run())
+
+    assert max(seconds[1], seconds[2]) < min(seconds[0], TOOL_TIMEOUT_S)
+    assert TOOL_TIMEOUT_S <= seconds[0] < TOOL_TIMEOUT_S + WORKER_GRACE_S
+    hung = batches[0][0]
+    _complete(hung, errors={"timeout": 1})
+    assert hung.episode.messages[2]["role"] == "tool"
+    assert hung.episode.messages[2]["name"] == "hang"
+    assert hung.episode.messages[2]["content"].startswith("Timeout:")
+    assert hung.episode.tool_seconds >= TOOL_TIMEOUT_S
+    for g in (1, 2):
+        sample = batches[g][0]
+        _complete(sample, errors={})
+        assert sample.episode.messages[2] == {
+            "role": "tool",
+            "name": "python",
+            "content": f"{g * 21}\n",
+        }
+    for g, [sample] in batches.items():
+        check_trajectory(tokenizer, sample, [prefilled[g], *engine.pieces[g, 0]])
+    # The hung call's process was killed at the timeout, not left sleeping.
+    assert not _alive(int(pid_file.read_text()))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
