@@ -69,6 +69,18 @@ PANELS = (
         ),
         right_ylabel="fraction truncated",
     ),
+    Panel(  # agent runs only (rl.agents.episode.episode_metrics)
+        "agent.png",
+        "Tool use",
+        "fraction",
+        (
+            Series("agent/tool_call_turn_frac", "turns with a tool call"),
+            Series("agent/well_formed_call_frac", "of those, all calls well-formed"),
+            Series("agent/masked_token_frac", "tokens inserted by the environment"),
+            Series("agent/turns_mean", "turns per episode", right_axis=True),
+        ),
+        right_ylabel="turns",
+    ),
     Panel(
         "kl_entropy.png",
         "KL and entropy",
@@ -206,6 +218,8 @@ _HEADLINES = (
     ("eval/accuracy", "held-out greedy accuracy"),
     ("reward/mean", "reward (mean)"),
     ("response/mean_tokens", "mean response tokens"),
+    ("agent/turns_mean", "turns per episode"),
+    ("agent/well_formed_call_frac", "turns whose tool calls were all well-formed"),
     ("actor/entropy", "entropy"),
     ("perf/gen_tokens_per_s", "generated tokens/s"),
     ("time/step_s", "seconds per step"),

@@ -3,7 +3,8 @@ the offline evaluator call, and the request checks the engines share.
 
 An engine is a plain class (no Ray) serving one policy version at a time. It samples with
 behaviour log-probs after temperature and top-p, seeded per sample (`SamplingParams.seed_of`),
-so that every engine gives the same samples for the same seeds and weights; it steps many
+so that an engine gives the same samples for the same seeds and weights (two engines of one
+kind do; vLLM and the torch engine draw differently); it steps many
 samples at once; and it replaces its weights in place, bucket by bucket, from a weight-sync
 channel (rl.sync.transport), refusing to generate while an update is half applied.
 """

@@ -5,6 +5,7 @@ multi-turn GRPO with the sandboxed python tool while the next step's episodes ov
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,22 @@ def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
             for a, b in [(1234567, 7654321), (5550001, 1000999), (8000000, 1999999)]
         )
     )
+    # The base's held-out accuracy, measured by the base builder's transformers greedy
+    # episodes, reproduced by the torch engine's episodes in `rl eval` (the environment comes
+    # from what the base records), within a prompt or two of near-tied logits.
+    test_file = next((tmp_path / "data").glob("addition-*/test.jsonl"))
+    base = _rl("eval", str(tmp_path / "base"), "--data", str(test_file), "--engine", "torch",
+               "--max-new-tokens", "96")  # fmt: skip
+    assert base.returncode == 0, base.stderr[-4000:]
+    found = re.search(r"greedy accuracy ([\d.]+)% over (\d+) prompts", base.stdout)
+    assert int(found[2]) == base_info["num_test"]
+    assert abs(float(found[1]) / 100 - base_info["greedy_accuracy"]) <= 2 / base_info["num_test"]
+
+    report = _rl("report", str(run_dir))
+    assert report.returncode == 0, report.stderr[-4000:]
+    assert (run_dir / "report" / "agent.png").stat().st_size > 0
+    assert "| turns per episode |" in (run_dir / "report" / "summary.md").read_text()
+
     # The environment comes from what the checkpoint records.
     checkpoint = run_dir / "checkpoints" / "step_000003"
     evaluated = _rl("eval", str(checkpoint), "--data", str(rows), "--engine", "torch",

@@ -48,8 +48,12 @@ pytestmark = pytest.mark.integration
 TEMPERATURE = 0.7
 NUM_TURNS = 3
 # Prompts (Qwen2.5's system prompt lists the tools) are ~590 tokens with python, ~820 with two.
+# The tokenizer is small: ~1 token per character of text outside its corpus.
 MAX_NEW_TOKENS = 256
-ROLLOUT = RolloutConfig(kv_cache_gb=0.0625, max_model_len=1280, temperature=TEMPERATURE)
+# vLLM engines share this process: a small KV cache each (GPU: a small share of memory).
+ROLLOUT = RolloutConfig(
+    kv_cache_gb=0.0625, gpu_memory_utilization=0.1, max_model_len=1280, temperature=TEMPERATURE
+)
 AGENT = AgentConfig(environment="tool_use", max_turns=NUM_TURNS + 1, tool_workers=2)
 EXAMPLE = {"prompt": "What is 2+2? Use python."}
 PARITY_TOL = 1e-4  # fp32 engine log-probs against a plain HF forward (tests/integration/rollout)
@@ -83,8 +87,8 @@ class ThreeTurns(Environment):
 def _make_turns_short(model: torch.nn.Module, eos: int, boost: float = 0.4) -> None:
     """Make the end-of-turn token likely (~10% a token at temperature 0.7) whatever the
     context: one hidden dimension is the same large value in every token's embedding, so it
-    dominates the final norm's output, and only EOS's output row gains from it. (Tied or
-    not: the tied output row of every token has the constant too, except EOS's, raised.)"""
+    dominates the final norm's output, and only EOS's output row gains from it. (Tied, every
+    output row holds the constant, EOS's raised above it: the same gain.)"""
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 0.5
         head = model.lm_head.weight
@@ -285,8 +289,8 @@ def _samples(batches: dict[int, list[Sample]]) -> list[Sample]:
     return [s for key in sorted(batches) for s in batches[key]]
 
 
-def _params(seed: int, n: int) -> SamplingParams:
-    return SamplingParams(MAX_NEW_TOKENS, n=n, temperature=TEMPERATURE, seed=seed)
+def _params(seed: int, n: int, max_new_tokens: int = MAX_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_new_tokens, n=n, temperature=TEMPERATURE, seed=seed)
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -403,8 +407,8 @@ def test_multi_turn_logprobs_match_transformers_and_observations_are_inserted(
         turns += check_trajectory(tokenizer, sample, engine.pieces[sample.group_id, sample.index])
         assert 0 < sum(sample.loss_mask) < len(sample.response_ids)
         assert parity_gap(model, sample) < PARITY_TOL
-    # Re-encoding the turns' text would change some of them (a split BPE would not make,
-    # bytes of broken UTF-8), so the checks above would notice it.
+    # Re-encoding some turns' text gives other tokens (splits BPE would not make, broken
+    # UTF-8, ids the tokenizer lacks): the checks above would catch a loop that re-encoded.
     assert any(
         tokenizer(_decode(tokenizer, t), add_special_tokens=False)["input_ids"] != t for t in turns
     )
@@ -435,6 +439,7 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
     loop = _agent_loop(engine, tokenizer, tools)
     partial: dict[int, list[Sample]] = {}
     at_interrupt: dict[tuple[int, int], Sample] = {}  # copies of the partial samples
+    pieces_at_interrupt: dict[tuple[int, int], int] = {}
 
     async def interrupted_then_resumed() -> None:
         loop.start(batches, params)
@@ -454,6 +459,7 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
             ((s.group_id, s.index), s) for s in pickle.loads(pickle.dumps(_samples(partial)))
         )
         assert 1 <= num_aborted <= len(at_interrupt)
+        pieces_at_interrupt.update((key, len(pieces)) for key, pieces in engine.pieces.items())
         # Resumed as the driver resumes them: the partial samples only.
         loop.start(partial, params)
         assert await _collect(loop, set(partial)) == partial
@@ -490,8 +496,8 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
 
         copy = elsewhere[key]
         _complete(copy)
-        num_pieces = len(engine.pieces[key]) - len(other.pieces[key])
-        check_trajectory(tokenizer, copy, engine.pieces[key][:num_pieces] + other.pieces[key])
+        before = engine.pieces[key][: pieces_at_interrupt[key]]
+        check_trajectory(tokenizer, copy, before + other.pieces[key])
         assert copy.response_ids == sample.response_ids
         assert copy.loss_mask == sample.loss_mask
         assert copy.logprobs == pytest.approx(sample.logprobs, abs=1e-6)
@@ -536,21 +542,26 @@ def slow_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
     sys.modules.pop("agent_slow_tools", None)
 
 
-def _calling(tokenizer, sample: Sample, name: str, arguments: dict) -> Sample:
-    """`sample` as if its first turn had been aborted just after writing a call of `name`:
-    the engine resumes the turn from there."""
-    call = json.dumps({"name": name, "arguments": arguments})
-    ids = tokenizer(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)["input_ids"]
-    sample.response_ids = ids
+def _calling(tokenizer, sample: Sample, *calls: tuple[str, dict]) -> Piece:
+    """Make `sample` a first turn aborted just after it wrote `calls` (name, arguments), which
+    the engine resumes from there; returns those tokens, which no engine sampled."""
+    text = "".join(
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+        for name, arguments in calls
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sample.response_ids = list(ids)
     sample.logprobs = [-1.0] * len(ids)
     sample.token_versions = [0] * len(ids)
     sample.finish_reason = "abort"
-    return sample
+    return Piece(list(ids), [-1.0] * len(ids), 0, "abort")
 
 
 def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
     engines: Engines, tokenizer, slow_tools: str, tmp_path: Path
 ) -> None:
+    """Episode 0's first turn calls the hanging tool, then python (reporting the monotonic
+    clock when it runs); episodes 1 and 2 call python only."""
     cfg = AGENT.model_copy(
         update={"tools": [slow_tools], "tool_timeout_s": TOOL_TIMEOUT_S, "tool_workers": 3}
     )
@@ -560,19 +571,21 @@ def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
         batches = {
             g: start_group(ThreeTurns, tokenizer, EXAMPLE, pool.schemas, 1, g) for g in range(3)
         }
-        _calling(tokenizer, batches[0][0], "hang", {"pid_file": str(pid_file)})
-        for g in (1, 2):
-            _calling(tokenizer, batches[g][0], "python", {"code": f"print({g} * 21)"})
-        # What the engine did not sample: the tool calls' tokens.
+        clock = {"code": "import time\ntime.monotonic()"}
         prefilled = {
-            g: Piece(list(b[0].response_ids), [-1.0] * len(b[0].response_ids), 0, "abort")
-            for g, b in batches.items()
+            0: _calling(
+                tokenizer, batches[0][0], ("hang", {"pid_file": str(pid_file)}), ("python", clock)
+            ),
+            **{
+                g: _calling(tokenizer, batches[g][0], ("python", {"code": f"print({g} * 21)"}))
+                for g in (1, 2)
+            },
         }
         loop = _agent_loop(engine, tokenizer, pool, cfg)
+        start = time.monotonic()
 
         async def run() -> dict[int, float]:
-            start = time.monotonic()
-            loop.start(batches, _params(seed=5, n=1))
+            loop.start(batches, _params(seed=5, n=1, max_new_tokens=400))  # calls are long
             back: dict[int, float] = {}
             while len(back) < len(batches):
                 for key in await asyncio.wait_for(loop.poll(), HANG_GUARD_S):
@@ -585,13 +598,17 @@ def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
     assert TOOL_TIMEOUT_S <= seconds[0] < TOOL_TIMEOUT_S + WORKER_GRACE_S
     hung = batches[0][0]
     _complete(hung, errors={"timeout": 1})
-    assert hung.episode.messages[2]["role"] == "tool"
-    assert hung.episode.messages[2]["name"] == "hang"
-    assert hung.episode.messages[2]["content"].startswith("Timeout:")
+    assert hung.episode.num_calls == 2
+    timeout, clock_result = hung.episode.messages[2:4]
+    assert (timeout["role"], timeout["name"]) == ("tool", "hang")
+    assert timeout["content"].startswith("Timeout:")
     assert hung.episode.tool_seconds >= TOOL_TIMEOUT_S
+    # The call after the hung one in the same turn ran at once, not after the timeout.
+    assert (clock_result["role"], clock_result["name"]) == ("tool", "python")
+    assert float(clock_result["content"]) - start < TOOL_TIMEOUT_S
     for g in (1, 2):
         sample = batches[g][0]
-        _complete(sample, errors={})
+        _complete(sample)
         assert sample.episode.messages[2] == {
             "role": "tool",
             "name": "python",
