@@ -65,7 +65,6 @@ from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".cache" / "bench" / "qwen2-25m-scripted-agent"
 RESULTS = REPO / ".cache" / "bench" / "agents.json"
-DTYPE = "bfloat16"
 SEED = 0
 SLEEP_VAR = "TANDEM_BENCH_TOOL_SLEEP_S"
 # The one call every turn ends with, a single added token of the tokenizer.
@@ -217,20 +216,23 @@ class Counts:
         self.cached_tokens += output.num_cached_tokens or 0
 
 
-def counting(engine: VLLMEngine, counts: Counts) -> None:
-    """Count the final output of each request `engine` serves (VLLMEngine asks for final
-    outputs only, and drops these counts)."""
-    llm_engine = engine._llm.llm_engine
-    step = llm_engine.step
+class CountingHook:
+    """Hands the final output of each request `engine` serves to `counts` (VLLMEngine asks
+    for final outputs only, and drops these numbers)."""
 
-    def counted_step():
-        outputs = step()
-        for output in outputs:
-            if output.finished:
-                counts.add(output)
-        return outputs
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.counts = Counts()
+        llm_engine = engine._llm.llm_engine
+        step = llm_engine.step
 
-    llm_engine.step = counted_step
+        def counted_step() -> list:
+            outputs = step()
+            for output in outputs:
+                if output.finished:
+                    self.counts.add(output)
+            return outputs
+
+        llm_engine.step = counted_step
 
 
 def run_tool(pool: ToolPool):
@@ -422,7 +424,7 @@ def workload(results: dict) -> str:
         f"{per_episode['sampled_tokens'] / per_episode['turns']:.1f} sampled tokens a turn, "
         f"{shape['observation_tokens']} tokens an observation, "
         f"{shape['episode_tokens']:.0f} tokens an episode in all; the 25M-shaped scripted "
-        f"Qwen2 in {DTYPE} on vLLM (CPU, block size 128), {c['threads']} threads, "
+        f"Qwen2 in {c['dtype']} on vLLM (CPU, block size 128), {c['threads']} threads, "
         f"1 warm-up + {c['rounds']} timed rounds a side, taking turns."
     )
 
@@ -435,6 +437,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="episodes a prompt")
     parser.add_argument("--turns", type=int, default=5, help="assistant turns an episode")
     parser.add_argument("--tool-sleep-ms", type=int, default=50)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="model dtype (bfloat16 only where the CPU has AVX512-BF16 or AMX: elsewhere "
+        "torch emulates bf16 matmuls, 6x slower than fp32 here)",
+    )
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -465,19 +473,18 @@ def main() -> None:
             )
         os.environ.pop(SLEEP_VAR)
         schemas = pools["instant"].schemas
-        engine = VLLMEngine(str(MODEL), ROLLOUT, DTYPE, SEED)
-        agent_counts = Counts()
-        counting(engine, agent_counts)
+        engine = VLLMEngine(str(MODEL), ROLLOUT, args.dtype, SEED)
+        hook = CountingHook(engine)
         generation = GenerationLoop(engine)
         agents = {tool: AgentLoop(generation, tokenizer, cfg, pool) for tool, pool in pools.items()}
-        llm = vllm.LLM(**engine_args(str(MODEL), ROLLOUT, DTYPE, SEED), enable_prefix_caching=False)
+        llm = vllm.LLM(
+            **engine_args(str(MODEL), ROLLOUT, args.dtype, SEED), enable_prefix_caching=False
+        )
 
         def agent_side(tool: str):
             def run(groups: list[list[Sample]], counts: Counts) -> None:
-                # agent_counts is what `counting` fills; hand it over to this side's round.
+                hook.counts = counts
                 loop.run_until_complete(agent_round(agents[tool], groups, params))
-                counts.__dict__.update(agent_counts.__dict__)
-                agent_counts.__init__()
 
             return run
 
@@ -498,7 +505,6 @@ def main() -> None:
             for name, run in sides.items():
                 groups = round_samples(tokenizer, schemas, args, rnd)
                 engine._llm.reset_prefix_cache()
-                agent_counts.__init__()
                 counts = Counts()
                 start = time.perf_counter()
                 run(groups, counts)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.metric_keys import check_metric_keys
 from tests.helpers.repo import REPO
 
 pytestmark = pytest.mark.e2e
@@ -62,6 +63,7 @@ def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
     run_dir = tmp_path / "runs" / "agent-calculator"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    check_metric_keys(records)  # the agent/* keys too are in docs/metrics.md
     for record in records[1:]:
         # Episodes called the tool, read its result (masked out of the loss) and answered.
         assert record["agent/tool_calls_mean"] > 0.5

@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.observe.report import build_figures, read_metrics
+from tests.helpers.metric_keys import check_metric_keys
 from tests.helpers.repo import REPO
 from tests.helpers.tracker_files import same_metrics, tensorboard_scalars, wandb_history
 
@@ -67,7 +68,7 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
         == json.loads((run_dir / "config.json").read_text())["base"]["num_layers"]
     )
 
-    _check_schema(records)
+    check_metric_keys(records)
     _check_report(run_dir)
     _check_eval_and_generate(tmp_path, run_dir, base_info)
 
@@ -123,25 +124,6 @@ def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> 
     samples = re.findall(r"sample (\d) \((stop|length), log-prob (-?[\d.]+)\)", generated.stdout)
     assert [index for index, _, _ in samples] == ["0", "1"], generated.stdout
     assert all(float(logprob) <= 0 for _, _, logprob in samples)
-
-
-def _documented_keys() -> re.Pattern:
-    """One pattern matching every key docs/metrics.md lists (`<name>` stands for a word)."""
-    table = (REPO / "docs" / "metrics.md").read_text()
-    rows = re.findall(r"^\| (`.+?`) \|", table, re.M)
-    keys = [key for row in rows for key in re.findall(r"`([^`]+)`", row)]
-    patterns = [re.sub(r"<[a-z]+>", "[a-z0-9_]+", re.escape(key)) for key in keys]
-    return re.compile("|".join(f"(?:{pattern})" for pattern in patterns))
-
-
-def _check_schema(records: list[dict]) -> None:
-    """Every record: an int step and numbers or nulls, under keys docs/metrics.md documents."""
-    documented = _documented_keys()
-    for record in records:
-        assert isinstance(record["step"], int)
-        for key, value in record.items():
-            assert documented.fullmatch(key), f"{key} is not documented in docs/metrics.md"
-            assert value is None or isinstance(value, int | float), (key, value)
 
 
 REPORT_IMAGES = ("reward.png", "length.png", "kl_entropy.png", "step_time.png", "timeline.png")
