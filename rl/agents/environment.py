@@ -21,6 +21,7 @@ An episode's reward is the task's reward of its last assistant message (the answ
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -67,16 +68,23 @@ class ToolUse(Environment):
 class Calculator(ToolUse):
     """Arithmetic with the built-in `python` tool: the model should hand the expression to
     the tool and answer with its result. With numbers too long for a small model to add
-    reliably (the `addition` task with many digits), the tool is what makes it right."""
+    reliably (the `addition` task with many digits), the tool is what makes it right.
+
+    The demonstration has Python print the result in the answer's own width (zero-padded
+    when the task pads answers), so the model only copies it: a small model that must copy
+    results of two lengths learns them as two skills, as it learns two sum layouts
+    (rl.data.tasks.addition)."""
 
     tools = ("python",)
 
     def demonstration(self, example: dict) -> list[Message]:
-        call = f'<tool_call>{{"name": "python", "arguments": {{"code": "{example["prompt"]}"}}}}</tool_call>'
+        width = len(example["answer"])
+        code = f"print(f'{{{example['prompt']}:0{width}d}}')"
+        call = json.dumps({"name": "python", "arguments": {"code": code}})
         return [
             *self.reset(example),
-            {"role": "assistant", "content": call},
-            {"role": "tool", "name": "python", "content": example["answer"]},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "name": "python", "content": example["answer"] + "\n"},
             {"role": "assistant", "content": example["answer"]},
         ]
 

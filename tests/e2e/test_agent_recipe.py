@@ -88,7 +88,7 @@ def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
         "".join(
-            json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b)}) + "\n"
+            json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b).zfill(8)}) + "\n"
             for a, b in [(1234567, 7654321), (5550001, 1000999), (8000000, 1999999)]
         )
     )
