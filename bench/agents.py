@@ -1,38 +1,43 @@
 """Multi-turn agents on real components: Tandem's AgentLoop against lockstep turns without
 prefix reuse, and how much of a tool's latency the loop hides, side by side in one process.
 
-    .venv/bin/python bench/agents.py [--rounds 2] [--threads 2] [--groups 4] [--group-size 8]
-                                     [--turns 5] [--tool-sleep-ms 50] [--write-docs]
+    .venv/bin/python bench/agents.py [--rounds 2] [--threads 1] [--groups 2] [--group-size 8]
+                                     [--turns 5] [--tool-sleep-ms 50] [--dtype float32]
+                                     [--write-docs]
 
 Workload: --groups prompts x --group-size episodes of --turns assistant turns each. Every turn
 ends with one call of the built-in sandboxed `python` tool (a real rl.agents.tool_pool.ToolPool
-of AgentConfig's default 4 workers); a scripted Environment shows the tool's output as the
-observation until the last turn. The tool sleeps $TANDEM_BENCH_TOOL_SLEEP_S (0 or
---tool-sleep-ms, one pool each) and prints 8 numbers.
+with AgentConfig's defaults: 4 worker processes, a fork per call); a scripted Environment shows
+the tool's output as the observation until the last turn. The call sleeps
+$TANDEM_BENCH_TOOL_SLEEP_S seconds (0 or --tool-sleep-ms: one pool each) and prints 8 numbers.
 
-The policy is a Qwen2 of the 25M shape of bench/recipes/throughput_25m.yaml (8 layers, hidden
-512, bf16 on vLLM), built here with weights that make its turns bounded and its calls
-well-formed: the attention and MLP output projections are zero and the embeddings orthogonal,
-so the logits at a position depend on its token alone (a bigram table written into lm_head),
-while every layer is still computed at full cost. A turn is 16 to 32 word tokens (4
-choices each; after 16, a call with probability 1/8 a token), then the tool-call token (one
-added token holding the whole call), then EOS: 18-34 sampled tokens, about 25, different in
-every episode. Sampling at temperature 1 with seeds, so both sides sample the same tokens.
+The policy has the shape of bench/recipes/throughput_25m.yaml's random ~25M Qwen2 (8 layers,
+hidden 512), served by vLLM on CPU, with weights set so that its turns are bounded and its
+calls well-formed (a random model would neither stop nor call): the attention and MLP output
+projections are zero and the embeddings orthogonal, so the logits at a position depend on its
+token alone, through a bigram table written into lm_head; every layer is still computed at full
+cost. A turn is 16 to 32 word tokens (4 choices each; from the 16th on, the call comes next
+with probability 1/8), then the call (one added token holding its whole text), then EOS:
+18-34 sampled tokens, about 24, different in every episode. Seeded sampling at temperature 1:
+every side samples the very same tokens, so they do the same work.
 
 Sides (the same prompts and seeds in a round, taking turns; 1 warm-up + --rounds timed):
 
 - agent: rollout.agent_loop.AgentLoop over a GenerationLoop over a VLLMEngine (prefix caching
-  on, vLLM's default): the driver's start + poll of one batch per group. Each episode's turn
-  is resumed from its prompt + history as soon as its tools return; the others keep
-  generating meanwhile.
-- lockstep: the naive way, a bare `vllm.LLM` with the same engine arguments
-  (rollout.engines.vllm_engine.engine_args) but enable_prefix_caching=False: every episode's
-  turn k is sent as a fresh prompt holding its whole history (the same tokens, built by
-  rl.agents.trajectory) in one `LLM.generate`; then all the tools run; then turn k + 1.
+  on, vLLM's default), driven as the rollout worker drives it (start one batch per group, poll
+  until all are back). Each episode's next turn is resumed from its prompt + history as soon
+  as its tools return, while the others keep generating.
+- lockstep: the naive way, a bare `vllm.LLM` with VLLMEngine's engine arguments
+  (rollout.engines.vllm_engine.engine_args) but enable_prefix_caching=False: turn k of every
+  live episode is sent as a fresh prompt holding its whole history (the same tokens, built by
+  rl.agents.trajectory) in one `LLM.generate`; then all their tools run; then turn k + 1.
+- lockstep_cached (instant tool only): the lockstep schedule on the AgentLoop's own engine,
+  prefix cache on, to split the gain between prefix reuse and async turns.
 
-Each side runs with the instant tool and with the sleeping one. The prefix cache is reset
-before every round. Prefix-cache hits are vLLM's own count (RequestOutput.num_cached_tokens
-over every turn's request). Raw results go to .cache/bench/agents.json.
+The agent and lockstep sides run with the instant tool and with the sleeping one. The prefix
+cache is reset before every side's round. Prefix-cache hits are vLLM's own count
+(RequestOutput.num_cached_tokens of every turn's request, over its prompt tokens). Raw
+results go to .cache/bench/agents.json.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from pathlib import Path
 
 import torch
 from docs_section import write_section
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from rl.agents.environment import Environment, EnvStep, Message
 from rl.agents.episode import observe, start_group
@@ -67,6 +72,7 @@ MODEL = REPO / ".cache" / "bench" / "qwen2-25m-scripted-agent"
 RESULTS = REPO / ".cache" / "bench" / "agents.json"
 SEED = 0
 SLEEP_VAR = "TANDEM_BENCH_TOOL_SLEEP_S"
+TARGET = 1.5  # AgentLoop over lockstep without prefix reuse, sampled tokens/s
 # The one call every turn ends with, a single added token of the tokenizer.
 CALL = (
     '<tool_call>{"name": "python", "arguments": {"code": "import os, time; '
@@ -136,6 +142,25 @@ def bigram_table(tokenizer: PreTrainedTokenizerBase, vocab: int) -> torch.Tensor
     return table
 
 
+def scripted_model(tokenizer: PreTrainedTokenizerBase, shape: BaseBuildConfig) -> Qwen2ForCausalLM:
+    """A Qwen2 of `shape` whose logits at a position are bigram_table's row for its token."""
+    model = new_qwen2(shape, tokenizer, seed=SEED)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert vocab <= hidden, "orthogonal embeddings need vocab <= hidden size"
+    generator = torch.Generator().manual_seed(SEED)
+    q, _ = torch.linalg.qr(torch.randn(hidden, vocab, generator=generator))
+    embeddings = q.T * math.sqrt(hidden)  # orthogonal rows of RMS 1: RMSNorm leaves them be
+    with torch.no_grad():
+        for layer in model.model.layers:  # computed, but adding nothing to the residual
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(embeddings)
+        # lm_head @ embedding[c] = table[c]: the final hidden state is the token's embedding.
+        table = bigram_table(tokenizer, vocab)
+        model.lm_head.weight.copy_(table.T @ embeddings / hidden)
+    return model
+
+
 def build_model(path: Path) -> None:
     """The scripted Qwen2 at `path` (rebuilt when its recipe changed)."""
     spec = json.dumps(
@@ -150,20 +175,7 @@ def build_model(path: Path) -> None:
     if (path / "bench_spec.json").exists() and (path / "bench_spec.json").read_text() == spec:
         return
     tokenizer = build_tokenizer()
-    model = new_qwen2(SHAPE, tokenizer, seed=SEED)
-    vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    assert vocab <= hidden, "orthogonal embeddings need vocab <= hidden size"
-    generator = torch.Generator().manual_seed(SEED)
-    q, _ = torch.linalg.qr(torch.randn(hidden, vocab, generator=generator))
-    embeddings = q.T * math.sqrt(hidden)  # orthogonal rows of RMS 1: RMSNorm leaves them be
-    with torch.no_grad():
-        for layer in model.model.layers:  # computed, but adding nothing to the residual
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.copy_(embeddings)
-        # lm_head @ embedding[c] = table[c]: the final hidden state is the token's embedding.
-        table = bigram_table(tokenizer, vocab)
-        model.lm_head.weight.copy_(table.T @ embeddings / hidden)
+    model = scripted_model(tokenizer, SHAPE)
     save_hf_atomic(model, tokenizer, path, extra_files={"bench_spec.json": spec})
 
 
@@ -201,14 +213,16 @@ def round_samples(
     return groups
 
 
-# ---- the two sides ------------------------------------------------------------------------
+# ---- the sides ---------------------------------------------------------------------------------
 
 
 class Counts:
-    """Prompt tokens of every request a side's engine served, and vLLM's prefix-cache hits."""
+    """What a side's engine did in a round: its steps and the seconds they took, the prompt
+    tokens of every request it served, and vLLM's prefix-cache hits among them."""
 
     def __init__(self) -> None:
-        self.requests = self.prompt_tokens = self.cached_tokens = 0
+        self.steps = self.requests = self.prompt_tokens = self.cached_tokens = 0
+        self.step_seconds = 0.0
 
     def add(self, output: object) -> None:
         self.requests += 1
@@ -216,17 +230,21 @@ class Counts:
         self.cached_tokens += output.num_cached_tokens or 0
 
 
-class CountingHook:
-    """Hands the final output of each request `engine` serves to `counts` (VLLMEngine asks
-    for final outputs only, and drops these numbers)."""
+class Hook:
+    """Counts every step of `llm` (a vllm.LLM) into `counts`, with the final output of each
+    request (VLLMEngine asks for final outputs only, and drops these numbers; LLM.generate
+    steps the same engine)."""
 
-    def __init__(self, engine: VLLMEngine) -> None:
+    def __init__(self, llm: object) -> None:
         self.counts = Counts()
-        llm_engine = engine._llm.llm_engine
+        llm_engine = llm.llm_engine
         step = llm_engine.step
 
         def counted_step() -> list:
+            start = time.perf_counter()
             outputs = step()
+            self.counts.step_seconds += time.perf_counter() - start
+            self.counts.steps += 1
             for output in outputs:
                 if output.finished:
                     self.counts.add(output)
@@ -283,6 +301,17 @@ async def between_turns(
     return True
 
 
+async def all_between_turns(
+    samples: list[Sample],
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: AgentConfig,
+    pool: ToolPool,
+    params: SamplingParams,
+) -> list[bool]:
+    """`between_turns` of every sample at once: their tool calls run together."""
+    return await asyncio.gather(*(between_turns(s, tokenizer, cfg, pool, params) for s in samples))
+
+
 def lockstep_round(
     llm: object,
     vllm: object,
@@ -292,7 +321,6 @@ def lockstep_round(
     cfg: AgentConfig,
     pool: ToolPool,
     loop: asyncio.AbstractEventLoop,
-    counts: Counts,
 ) -> None:
     """Turn k of every live episode in one LLM.generate (whole history as a fresh prompt),
     then every tool call at once, then turn k + 1. Tokens and log-probs are appended as
@@ -314,7 +342,6 @@ def lockstep_round(
         ]
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         for sample, output in zip(live, outputs, strict=True):
-            counts.add(output)
             completion = output.outputs[0]
             new_ids = list(completion.token_ids)
             sample.response_ids += new_ids
@@ -324,9 +351,7 @@ def lockstep_round(
             ]
             sample.token_versions += [0] * len(new_ids)
             sample.finish_reason = completion.finish_reason
-        going_on = loop.run_until_complete(
-            asyncio.gather(*(between_turns(s, tokenizer, cfg, pool, params) for s in live))
-        )
+        going_on = loop.run_until_complete(all_between_turns(live, tokenizer, cfg, pool, params))
         live = [s for s, more in zip(live, going_on, strict=True) if more]
     for group in groups:
         for sample in group:
@@ -334,6 +359,12 @@ def lockstep_round(
 
 
 # ---- measuring ----------------------------------------------------------------------------
+
+LABELS = {
+    "agent": "AgentLoop (prefix cache, async turns)",
+    "lockstep": "lockstep, no prefix cache",
+    "lockstep_cached": "lockstep, prefix cache",
+}
 
 
 def summary(groups: list[list[Sample]], seconds: float, counts: Counts) -> dict:
@@ -348,7 +379,10 @@ def summary(groups: list[list[Sample]], seconds: float, counts: Counts) -> dict:
         "turns": sum(e.num_turns for e in episodes),
         "tool_calls": sum(e.num_calls for e in episodes),
         "tool_errors": sum(sum(e.errors.values()) for e in episodes),
+        "tool_seconds": sum(e.tool_seconds for e in episodes),
         "finish_reasons": sorted({s.finish_reason for s in samples}),
+        "steps": counts.steps,
+        "step_seconds": counts.step_seconds,
         "requests": counts.requests,
         "request_prompt_tokens": counts.prompt_tokens,
         "cached_tokens": counts.cached_tokens,
@@ -356,11 +390,25 @@ def summary(groups: list[list[Sample]], seconds: float, counts: Counts) -> dict:
     }
 
 
+SUMMED = (
+    "seconds",
+    "episodes",
+    "sampled_tokens",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_seconds",
+    "steps",
+    "step_seconds",
+    "requests",
+    "request_prompt_tokens",
+    "cached_tokens",
+)
+
+
 def totals(rounds: list[dict]) -> dict:
     """Sums over the timed rounds, and the rates."""
-    keys = ("seconds", "episodes", "sampled_tokens", "turns", "tool_calls", "tool_errors")
-    keys += ("request_prompt_tokens", "cached_tokens", "requests")
-    total = {key: sum(r[key] for r in rounds) for key in keys}
+    total = {key: sum(r[key] for r in rounds) for key in SUMMED}
     total["rounds"] = len(rounds)
     total["s_per_round"] = total["seconds"] / len(rounds)
     total["tokens_per_s"] = total["sampled_tokens"] / total["seconds"]
@@ -369,71 +417,207 @@ def totals(rounds: list[dict]) -> dict:
     total["prefilled_per_round"] = (total["request_prompt_tokens"] - total["cached_tokens"]) / len(
         rounds
     )
+    total["idle_s_per_round"] = (total["seconds"] - total["step_seconds"]) / len(rounds)
+    total["tool_ms_per_call"] = 1000 * total["tool_seconds"] / max(total["tool_calls"], 1)
     return total
 
 
 def table(results: dict) -> str:
-    sides = results["sides"]
+    """Throughput of every side, the ratios, and the cost of the tool's latency."""
+    sides, target = results["sides"], results["config"]["target"]
+    instant, slow = results["tools"]
     rows = [
         "| side | tool | s/round | sampled tok/s | episodes/s | prefilled tok/round "
         "| prefix-cache hits |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    labels = {"agent": "AgentLoop (prefix cache, async turns)", "lockstep": "lockstep, no cache"}
     for name, side in sides.items():
         kind, tool = name.split("/")
         rows.append(
-            f"| {labels[kind]} | {tool} | {side['s_per_round']:.2f} | {side['tokens_per_s']:,.0f} "
-            f"| {side['episodes_per_s']:.2f} | {side['prefilled_per_round']:,.0f} "
-            f"| {100 * side['cache_hit_rate']:.0f}% |"
+            f"| {LABELS[kind]} | {tool} | {side['s_per_round']:.2f} "
+            f"| {side['tokens_per_s']:,.0f} | {side['episodes_per_s']:.2f} "
+            f"| {side['prefilled_per_round']:,.0f} | {100 * side['cache_hit_rate']:.0f}% |"
         )
-    rows += ["", "| tool | AgentLoop / lockstep, sampled tok/s | target |", "|---|---:|---:|"]
-    for tool in results["tools"]:
-        ratio = sides[f"agent/{tool}"]["tokens_per_s"] / sides[f"lockstep/{tool}"]["tokens_per_s"]
-        rows.append(f"| {tool} | {ratio:.2f}x | >= 1.5x |")
-    sleep_ms, turns = results["config"]["tool_sleep_ms"], results["config"]["turns"]
-    slow, instant = f"sleeps {sleep_ms} ms", "instant"
-    calls = sides[f"agent/{instant}"]["tool_calls"] / sides[f"agent/{instant}"]["episodes"]
+
+    def ratio(a: str, b: str) -> float:
+        return sides[a]["tokens_per_s"] / sides[b]["tokens_per_s"]
+
     rows += [
         "",
-        "| side | step wall, instant tool | step wall, tool sleeping "
-        f"{sleep_ms} ms | difference | {sleep_ms} ms x {calls:g} calls an episode |",
-        "|---|---:|---:|---:|---:|",
+        "| sampled tok/s ratio | tool | ratio |",
+        "|---|---|---:|",
+        f"| AgentLoop / lockstep without prefix cache (target >= {target:g}x) | {instant} "
+        f"| {ratio(f'agent/{instant}', f'lockstep/{instant}'):.2f}x |",
+        f"| AgentLoop / lockstep without prefix cache | {slow} "
+        f"| {ratio(f'agent/{slow}', f'lockstep/{slow}'):.2f}x |",
+        f"| - prefix caching alone: lockstep with / without | {instant} "
+        f"| {ratio(f'lockstep_cached/{instant}', f'lockstep/{instant}'):.2f}x |",
+        f"| - async turns alone: AgentLoop / lockstep with prefix cache | {instant} "
+        f"| {ratio(f'agent/{instant}', f'lockstep_cached/{instant}'):.2f}x |",
+    ]
+    sleep_ms = results["config"]["tool_sleep_ms"]
+    fast = sides[f"agent/{instant}"]
+    calls = fast["tool_calls"] / fast["episodes"]
+    rows += [
+        "",
+        f"| side | tool call ms, instant / sleeping | s/round, instant / sleeping | difference "
+        "| engine idle s/round, instant / sleeping | difference "
+        f"| {sleep_ms} ms x {calls:g} calls an episode |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for kind in ("agent", "lockstep"):
-        fast, slow_s = sides[f"{kind}/{instant}"], sides[f"{kind}/{slow}"]
+        quick, sleepy = sides[f"{kind}/{instant}"], sides[f"{kind}/{slow}"]
         rows.append(
-            f"| {labels[kind]} | {fast['s_per_round']:.2f} s | {slow_s['s_per_round']:.2f} s "
-            f"| {slow_s['s_per_round'] - fast['s_per_round']:+.2f} s "
-            f"| {sleep_ms * calls / 1000:.2f} s |"
+            f"| {LABELS[kind]} "
+            f"| {quick['tool_ms_per_call']:.0f} / {sleepy['tool_ms_per_call']:.0f} "
+            f"| {quick['s_per_round']:.2f} / {sleepy['s_per_round']:.2f} "
+            f"| {sleepy['s_per_round'] - quick['s_per_round']:+.2f} "
+            f"| {quick['idle_s_per_round']:.2f} / {sleepy['idle_s_per_round']:.2f} "
+            f"| {sleepy['idle_s_per_round'] - quick['idle_s_per_round']:+.2f} "
+            f"| {sleep_ms * calls / 1000:.2f} |"
         )
-    del turns
     return "\n".join(rows)
 
 
 def workload(results: dict) -> str:
-    c, first = results["config"], results["sides"]["agent/instant"]
-    per_episode = {
-        key: first[key] / first["episodes"] for key in ("sampled_tokens", "turns", "tool_calls")
-    }
-    shape = results["shape"]
+    c, shape, first = results["config"], results["shape"], results["sides"]["agent/instant"]
+    turns = first["turns"] / first["episodes"]
     return (
-        f"{c['groups']} prompts x {c['group_size']} episodes a round, {per_episode['turns']:g} "
-        f"turns an episode, each ending in one sandboxed `python` call "
-        f"({c['tool_workers']} tool workers); prompt {shape['prompt_tokens']} tokens, "
-        f"{per_episode['sampled_tokens'] / per_episode['turns']:.1f} sampled tokens a turn, "
+        f"{c['groups']} prompts x {c['group_size']} episodes a round, {turns:g} turns an "
+        f"episode, each ending in one sandboxed `python` call ({c['tool_workers']} tool "
+        f"workers); prompt {shape['prompt_tokens']} tokens, "
+        f"{first['sampled_tokens'] / first['turns']:.1f} sampled tokens a turn, "
         f"{shape['observation_tokens']} tokens an observation, "
         f"{shape['episode_tokens']:.0f} tokens an episode in all; the 25M-shaped scripted "
-        f"Qwen2 in {c['dtype']} on vLLM (CPU, block size 128), {c['threads']} threads, "
+        f"Qwen2 in {c['dtype']} on vLLM (CPU, block size 128), {c['threads']} thread(s), "
         f"1 warm-up + {c['rounds']} timed rounds a side, taking turns."
     )
+
+
+def shape(rounds: list[dict]) -> dict:
+    """Tokens of an episode's parts, from one side's rounds."""
+    first = rounds[0]
+    episodes = first["episodes"]
+    return {
+        "prompt_tokens": first["prompt_tokens"] // episodes,
+        "observation_tokens": round(
+            first["observation_tokens"] / max(first["turns"] - episodes, 1)
+        ),
+        "episode_tokens": (
+            first["prompt_tokens"] + first["sampled_tokens"] + first["observation_tokens"]
+        )
+        / episodes,
+    }
+
+
+def measure(args: argparse.Namespace, vllm: object) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    cfg = AgentConfig(environment="tool_use", max_turns=args.turns)
+    params = SamplingParams(
+        max_new_tokens=ROLLOUT.max_new_tokens, n=args.group_size, temperature=1.0, seed=SEED
+    )
+    tools = {"instant": 0.0, f"sleeps {args.tool_sleep_ms} ms": args.tool_sleep_ms / 1000}
+    instant, slow = tools
+    pools: dict[str, ToolPool] = {}
+    loop = asyncio.new_event_loop()
+    try:
+        for tool, sleep_s in tools.items():
+            os.environ[SLEEP_VAR] = str(sleep_s)  # read when the pool starts its workers
+            pools[tool] = ToolPool(
+                ["python"],
+                num_workers=cfg.tool_workers,
+                timeout_s=cfg.tool_timeout_s,
+                cpu_s=cfg.tool_cpu_s,
+                memory_mb=cfg.tool_memory_mb,
+                inherit_env=[SLEEP_VAR],
+            )
+        os.environ.pop(SLEEP_VAR)
+        engine = VLLMEngine(str(MODEL), ROLLOUT, args.dtype, SEED)
+        hooks = {"agent": Hook(engine._llm)}
+        generation = GenerationLoop(engine)
+        agents = {tool: AgentLoop(generation, tokenizer, cfg, pool) for tool, pool in pools.items()}
+        bare = vllm.LLM(
+            **engine_args(str(MODEL), ROLLOUT, args.dtype, SEED), enable_prefix_caching=False
+        )
+        hooks["bare"] = Hook(bare)
+
+        def agent_side(tool: str):
+            def run(groups: list[list[Sample]], counts: Counts) -> None:
+                hooks["agent"].counts = counts
+                loop.run_until_complete(agent_round(agents[tool], groups, params))
+
+            return run
+
+        def lockstep_side(tool: str, cached: bool):
+            # With the prefix cache: the AgentLoop's own vllm.LLM, idle meanwhile.
+            llm, hook = (engine._llm, hooks["agent"]) if cached else (bare, hooks["bare"])
+
+            def run(groups: list[list[Sample]], counts: Counts) -> None:
+                hook.counts = counts
+                lockstep_round(llm, vllm, groups, params, tokenizer, cfg, pools[tool], loop)
+
+            return run
+
+        sides = {
+            f"agent/{instant}": agent_side(instant),
+            f"lockstep/{instant}": lockstep_side(instant, cached=False),
+            f"lockstep_cached/{instant}": lockstep_side(instant, cached=True),
+            f"agent/{slow}": agent_side(slow),
+            f"lockstep/{slow}": lockstep_side(slow, cached=False),
+        }
+        runs: dict[str, list[dict]] = {name: [] for name in sides}
+        same_tokens = True
+        for rnd in range(args.rounds + 1):
+            reference = None
+            for name, run in sides.items():
+                groups = round_samples(tokenizer, pools[instant].schemas, args, rnd)
+                engine._llm.reset_prefix_cache()  # nothing from an earlier side or round
+                counts = Counts()
+                start = time.perf_counter()
+                run(groups, counts)
+                result = summary(groups, time.perf_counter() - start, counts)
+                print(
+                    f"  {name} round {rnd}: {result['sampled_tokens']} sampled tokens, "
+                    f"{result['turns']} turns in {result['seconds']:.2f} s, "
+                    f"{result['cached_tokens']}/{result['request_prompt_tokens']} prompt "
+                    f"tokens cached, finish {result['finish_reasons']}",
+                    flush=True,
+                )
+                responses = result.pop("responses")
+                reference = responses if reference is None else reference
+                same_tokens &= responses == reference
+                if rnd:  # round 0 is the warm-up
+                    runs[name].append(result)
+    finally:
+        for pool in pools.values():
+            pool.close()
+        loop.close()
+    return {
+        "config": {
+            **vars(args),
+            "tool_workers": cfg.tool_workers,
+            "model": str(MODEL.relative_to(REPO)),
+            "target": TARGET,
+        },
+        "tools": list(tools),
+        "shape": shape(runs[f"agent/{instant}"]),
+        "same_tokens": same_tokens,
+        "sides": {name: totals(rounds) for name, rounds in runs.items()},
+        "rounds": runs,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per side")
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
-    parser.add_argument("--groups", type=int, default=4, help="prompts a round")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads (1: on a shared 2-core machine, 2 threads spin-waiting for a "
+        "core another job holds made vLLM's steps 3-10x slower)",
+    )
+    parser.add_argument("--groups", type=int, default=2, help="prompts a round")
     parser.add_argument("--group-size", type=int, default=8, help="episodes a prompt")
     parser.add_argument("--turns", type=int, default=5, help="assistant turns an episode")
     parser.add_argument("--tool-sleep-ms", type=int, default=50)
@@ -451,107 +635,13 @@ def main() -> None:
 
     ScriptedTask.turns = args.turns
     build_model(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    cfg = AgentConfig(environment="tool_use", max_turns=args.turns)
-    params = SamplingParams(
-        max_new_tokens=ROLLOUT.max_new_tokens, n=args.group_size, temperature=1.0, seed=SEED
-    )
-    tools = {"instant": 0.0, f"sleeps {args.tool_sleep_ms} ms": args.tool_sleep_ms / 1000}
-    pools: dict[str, ToolPool] = {}
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        for tool, sleep_s in tools.items():
-            os.environ[SLEEP_VAR] = str(sleep_s)  # read when the pool starts its workers
-            pools[tool] = ToolPool(
-                ["python"],
-                num_workers=cfg.tool_workers,
-                timeout_s=cfg.tool_timeout_s,
-                cpu_s=cfg.tool_cpu_s,
-                memory_mb=cfg.tool_memory_mb,
-                inherit_env=[SLEEP_VAR],
-            )
-        os.environ.pop(SLEEP_VAR)
-        schemas = pools["instant"].schemas
-        engine = VLLMEngine(str(MODEL), ROLLOUT, args.dtype, SEED)
-        hook = CountingHook(engine)
-        generation = GenerationLoop(engine)
-        agents = {tool: AgentLoop(generation, tokenizer, cfg, pool) for tool, pool in pools.items()}
-        llm = vllm.LLM(
-            **engine_args(str(MODEL), ROLLOUT, args.dtype, SEED), enable_prefix_caching=False
-        )
-
-        def agent_side(tool: str):
-            def run(groups: list[list[Sample]], counts: Counts) -> None:
-                hook.counts = counts
-                loop.run_until_complete(agent_round(agents[tool], groups, params))
-
-            return run
-
-        def lockstep_side(tool: str):
-            def run(groups: list[list[Sample]], counts: Counts) -> None:
-                lockstep_round(llm, vllm, groups, params, tokenizer, cfg, pools[tool], loop, counts)
-
-            return run
-
-        sides = {}
-        for tool in tools:
-            sides[f"agent/{tool}"] = agent_side(tool)
-            sides[f"lockstep/{tool}"] = lockstep_side(tool)
-        runs: dict[str, list[dict]] = {name: [] for name in sides}
-        same_tokens = True
-        for rnd in range(args.rounds + 1):
-            reference = None
-            for name, run in sides.items():
-                groups = round_samples(tokenizer, schemas, args, rnd)
-                engine._llm.reset_prefix_cache()
-                counts = Counts()
-                start = time.perf_counter()
-                run(groups, counts)
-                result = summary(groups, time.perf_counter() - start, counts)
-                print(
-                    f"  {name} round {rnd}: {result['sampled_tokens']} sampled tokens, "
-                    f"{result['turns']} turns in {result['seconds']:.2f} s, "
-                    f"{result['cached_tokens']}/{result['request_prompt_tokens']} prompt "
-                    f"tokens cached, finish {result['finish_reasons']}",
-                    flush=True,
-                )
-                if reference is None:
-                    reference = result["responses"]
-                same_tokens &= result.pop("responses") == reference
-                if rnd:  # round 0 is the warm-up
-                    runs[name].append(result)
-        first = runs["agent/instant"][0]
-        episode_tokens = (
-            first["prompt_tokens"] + first["sampled_tokens"] + first["observation_tokens"]
-        ) / first["episodes"]
-        observations = first["turns"] - first["episodes"]
-        results = {
-            "config": {
-                **vars(args),
-                "tool_workers": cfg.tool_workers,
-                "model": str(MODEL.relative_to(REPO)),
-            },
-            "tools": list(tools),
-            "shape": {
-                "prompt_tokens": first["prompt_tokens"] // first["episodes"],
-                "observation_tokens": round(first["observation_tokens"] / max(observations, 1)),
-                "episode_tokens": episode_tokens,
-            },
-            "same_tokens": same_tokens,
-            "sides": {name: totals(rounds) for name, rounds in runs.items()},
-            "rounds": runs,
-        }
-    finally:
-        for pool in pools.values():
-            pool.close()
-        loop.close()
+    results = measure(args, vllm)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))
     text = (
         f"Command: `.venv/bin/python bench/agents.py --write-docs`. {workload(results)} "
-        f"Every side sampled the same tokens: {'yes' if same_tokens else 'NO'}.\n\n"
-        f"{table(results)}"
+        f"Every side sampled the same tokens: {'yes' if results['same_tokens'] else 'NO'}."
+        f"\n\n{table(results)}"
     )
     print(text)
     if args.write_docs:

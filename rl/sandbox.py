@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing import Pipe
@@ -130,11 +130,25 @@ def connect(fd: int) -> Connection:
     return Connection(fd)
 
 
+_orphan_cleanups: list[Callable[[], None]] = []
+
+
+def when_orphaned(cleanup: Callable[[], None]) -> None:
+    """In a worker: run `cleanup` before exiting because the driver died (files it would
+    have removed on a clean close)."""
+    _orphan_cleanups.append(cleanup)
+
+
 def _exit_with_parent(parent: int) -> None:
     # A worker stuck in a user's loop never reads the EOF of a dead driver; this thread still
     # runs (the interpreter switches threads), so the worker does not outlive the driver.
     while os.getppid() == parent:
         time.sleep(1.0)
+    for cleanup in _orphan_cleanups:
+        try:
+            cleanup()
+        except Exception:  # exiting anyway: a failed cleanup must not keep the worker alive
+            pass
     os._exit(1)
 
 

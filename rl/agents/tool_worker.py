@@ -30,8 +30,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-from rl.sandbox import connect, describe, isolate_network
+from rl.sandbox import connect, describe, isolate_network, when_orphaned
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded here: a forked child should not run the dynamic loader
@@ -274,8 +275,12 @@ def main(fd: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing tool leaves no core file
     network_isolated = isolate_network()  # first: connect() starts a thread
     conn = connect(fd)
+    s: Settings | None = None
     try:
         s = Settings(**json.loads(conn.recv_bytes()))
+        # The pool removes the calls' root when it closes; if its process dies first (a
+        # killed rollout worker), the pool's workers remove it as they go.
+        when_orphaned(partial(shutil.rmtree, s.root, ignore_errors=True))
         try:
             tools = {name: import_tool(spec) for name, spec in s.tools.items()}
         except Exception as e:
@@ -286,8 +291,9 @@ def main(fd: int) -> None:
             call = json.loads(conn.recv_bytes())
             message = _run(tools[call["name"]], call["arguments"], s, fd)
             conn.send_bytes(json.dumps(message).encode())
-    except (EOFError, BrokenPipeError):
-        return  # the driver closed the connection
+    except (EOFError, BrokenPipeError):  # the pool closed, or its process died
+        if s is not None:
+            shutil.rmtree(s.root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,40 @@ def test_close_ends_the_calls_in_flight_and_leaves_no_process_or_directory(
         pool.submit("nap", {"seconds": 0})
 
 
+_OWNER = """
+import sys, time
+from rl.agents.tool_pool import ToolPool
+from tests.unit.rl.agents import sample_tools
+pool = ToolPool([sample_tools.hang, sample_tools.nap], num_workers=2, timeout_s=60)
+pool.submit("hang", {"pid_file": sys.argv[1]})
+print(pool._root, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_pool_whose_process_is_killed_leaves_no_directory_or_worker(tmp_path: Path) -> None:
+    # A rollout worker killed by Ray never closes its pool: the workers, one busy in a call
+    # and one idle, remove the calls' root themselves and exit.
+    pid_file = tmp_path / "pids"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(pid_file)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        root = Path(owner.stdout.readline().strip())
+        assert root.is_dir()
+        wait_until(lambda: pid_file.exists() and len(pid_file.read_text().split()) == 2, "call")
+        workers = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(owner.pid)]).split()]
+        assert len(workers) == 2
+    finally:
+        owner.kill()
+        owner.wait()
+        owner.stdout.close()
+    wait_until(lambda: not root.exists(), "the removal of the pool's directory")
+    wait_until(lambda: not any(map(_alive, workers)), "the workers' exit")
+    pids = [int(pid) for pid in pid_file.read_text().split()]
+    wait_until(lambda: not any(map(_alive, pids)), "the end of the call's processes")
+
+
 def test_tools_that_cannot_be_served_are_refused_when_the_pool_starts() -> None:
     with pytest.raises(ValueError, match="tool 'no_such_module:f' cannot be imported"):
         ToolPool(["no_such_module:f"])
