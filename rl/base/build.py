@@ -44,7 +44,7 @@ VALIDATE_EVERY = 25  # SFT steps between early-stopping checks (each costs ~2 st
 NUM_VALIDATION = 200  # train examples held out from SFT for early stopping
 
 
-def _answer_row(tokenizer: PreTrainedTokenizerBase, example: dict) -> tuple[list[int], list[int]]:
+def answer_row(tokenizer: PreTrainedTokenizerBase, example: dict) -> tuple[list[int], list[int]]:
     """(input ids, labels) of prompt -> answer: labels only on the answer tokens and EOS.
 
     The answer is encoded on its own after the generation prompt, exactly the token
@@ -81,7 +81,8 @@ def sft(
 ) -> dict[str, float | None]:
     """Train `model` in place with AdamW for up to `cfg.sft_steps` steps.
 
-    `row(example)` gives an example's (input ids, labels). Every `VALIDATE_EVERY` steps `validate()` (a held-out greedy accuracy) is checked against
+    `row(example)` gives an example's (input ids, labels): `answer_row` for prompt -> answer,
+    `rl.base.episodes.demonstration_row` for an agent's demonstration. Every `VALIDATE_EVERY` steps `validate()` (a held-out greedy accuracy) is checked against
     `cfg.sft_target_accuracy`. Learning to add is abrupt: the loss sits on a plateau for a
     seed-dependent few hundred steps and then accuracy climbs by tens of points per hundred
     steps, so a fixed step count cannot land reliably on an imperfect-but-close base; stopping
@@ -195,7 +196,7 @@ def build_base(cfg: Config) -> Path:
                 )
                 # Seeded like the run so that `rl build-base` is reproducible end to end.
                 model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
-                row = partial(_answer_row, tokenizer)
+                row = partial(answer_row, tokenizer)
                 max_new = cfg.rollout.max_new_tokens
                 accuracy_of = partial(
                     greedy_accuracy, model, tokenizer, task, max_new_tokens=max_new

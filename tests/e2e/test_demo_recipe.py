@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.observe.report import build_figures, read_metrics
+from tests.helpers.cli import run_rl
 from tests.helpers.metric_keys import check_metric_keys
-from tests.helpers.repo import REPO
 from tests.helpers.tracker_files import same_metrics, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.e2e
@@ -31,13 +29,7 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
         "run.num_eval_prompts=32",
         "run.wandb_mode=offline",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "rl.cli", "train", "recipes/grpo_addition_cpu.yaml", *overrides],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = run_rl("train", "recipes/grpo_addition_cpu.yaml", *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "held-out greedy accuracy before RL:" in result.stdout
     # The console shows the driver's lines only: the workers' output went to the run's logs/.
@@ -73,30 +65,20 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
     _check_eval_and_generate(tmp_path, run_dir, base_info)
 
 
-def _rl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rl.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> None:
     """`rl eval` reproduces the base's recorded held-out accuracy on either engine (vLLM and
     the PyTorch one, against the base builder's transformers greedy decoding), evaluates a run
     checkpoint, and `rl generate` prints samples with their log-probs."""
     test_file = next((tmp_path / "data").glob("addition-*/test.jsonl"))
     max_new = str(json.loads((run_dir / "config.json").read_text())["rollout"]["max_new_tokens"])
-    base = _rl(
+    base = run_rl(
         "eval", str(tmp_path / "base"), "--data", str(test_file), "--max-new-tokens", max_new
     )
     assert base.returncode == 0, base.stderr[-3000:]
     accuracy = float(re.search(r"greedy accuracy ([\d.]+)% over (\d+) prompts", base.stdout)[1])
     # Near-tied logits may decode differently in the two engines: within a prompt or two.
     assert abs(accuracy / 100 - base_info["greedy_accuracy"]) <= 0.01, base.stdout
-    on_torch = _rl(
+    on_torch = run_rl(
         "eval",
         str(tmp_path / "base"),
         "--data",
@@ -111,13 +93,13 @@ def _check_eval_and_generate(tmp_path: Path, run_dir: Path, base_info: dict) -> 
     assert abs(torch_accuracy / 100 - base_info["greedy_accuracy"]) <= 0.01, on_torch.stdout
 
     checkpoint = run_dir / "checkpoints" / "step_000003"
-    trained = _rl(
+    trained = run_rl(
         "eval", str(checkpoint), "--data", str(test_file), "--k", "4", "--max-new-tokens", max_new
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert re.search(r"pass@4 [\d.]+%, pass@1 [\d.]+%", trained.stdout), trained.stdout
 
-    generated = _rl(
+    generated = run_rl(
         "generate", str(run_dir / "hf"), "12+34", "--n", "2", "--max-new-tokens", max_new
     )
     assert generated.returncode == 0, generated.stderr[-3000:]
@@ -130,13 +112,7 @@ REPORT_IMAGES = ("reward.png", "length.png", "kl_entropy.png", "step_time.png", 
 
 
 def _check_report(run_dir: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "rl.cli", "report", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_rl("report", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (run_dir / "report" / "summary.md").read_text()
     assert "| held-out greedy accuracy |" in summary

@@ -88,3 +88,18 @@ def qwen_tokenizer(
     tokenizer.chat_template = template
     tokenizer.name_or_path = name
     return tokenizer
+
+
+# A tool schema as chat templates take it (the OpenAI / Hugging Face form).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}

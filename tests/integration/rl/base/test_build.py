@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl.base.build import BASE_INFO, VALIDATE_EVERY, ensure_base, greedy_accuracy, sft
+from rl.base.build import (
+    BASE_INFO,
+    VALIDATE_EVERY,
+    answer_row,
+    ensure_base,
+    greedy_accuracy,
+    sft,
+)
 from rl.config import BaseBuildConfig, Config
 from rl.data.loading import PromptStream
 from rl.data.prompts import encode_prompt
@@ -126,6 +134,6 @@ def test_sft_stops_at_the_target_accuracy(tiny_model_dir: Path, target: float, s
         calls.append(1)
         return 0.5
 
-    stats = sft(model, tokenizer, stream, cfg, validate)
+    stats = sft(model, tokenizer, stream, cfg, validate, partial(answer_row, tokenizer))
     assert stats["steps"] == steps and len(calls) == (target > 0)
     assert stats["val_accuracy"] == (0.5 if target else None)

@@ -14,21 +14,9 @@ from rl.agents.environment import Environment, EnvStep, ToolUse
 from rl.agents.episode import Episode, episode_metrics, observe, start_group
 from rl.agents.tool_pool import ToolResult
 from rl.types import Sample
-from tests.helpers.chat_templates import qwen_tokenizer
+from tests.helpers.chat_templates import WEATHER_TOOL, qwen_tokenizer
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-TOOLS = [WEATHER]
+TOOLS = [WEATHER_TOOL]
 PROMPT = [{"role": "user", "content": "What is the weather in Paris today?"}]
 # Room for every message below (this small vocabulary spells text in many tokens).
 MAX_TOOL_TOKENS = 512

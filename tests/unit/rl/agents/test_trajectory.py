@@ -10,22 +10,9 @@ from rl.agents.episode import start_group
 from rl.agents.tool_calls import ToolCall, ToolCallError, error_observation, parse_tool_calls
 from rl.agents.trajectory import add_observation, end_turn
 from rl.types import NOT_SAMPLED, Sample
-from tests.helpers.chat_templates import QWEN25_TEMPLATE, qwen_tokenizer
+from tests.helpers.chat_templates import QWEN25_TEMPLATE, WEATHER_TOOL, qwen_tokenizer
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = [WEATHER_TOOL]
 PROMPT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather in Paris today?"},
