@@ -18,6 +18,7 @@ where they stopped, on any worker, since a sample carries its episode.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,7 +27,7 @@ from rl.agents.tool_pool import ToolPool, ToolResult
 from rl.agents.trajectory import add_observation, end_turn
 from rl.config import AgentConfig
 from rl.types import Sample, SamplingParams
-from rollout.engine_loop import GenerationLoop
+from rollout.engine_loop import FinishedBatches, GenerationLoop
 
 
 class AgentLoop:
@@ -41,26 +42,18 @@ class AgentLoop:
         self.engine = generation.engine
         self.tokenizer, self.cfg, self.tools = tokenizer, cfg, tools
         self._interrupted = False
-        self._finished: dict[int, list[Sample]] = {}
-        self._has_finished = asyncio.Event()
-        self._failure: BaseException | None = None
+        self._batches = FinishedBatches()
 
     def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
         """Start every batch's episodes; `poll` hands each batch back once all are done."""
         self._interrupted = False
         for key, samples in batches.items():
             task = asyncio.get_running_loop().create_task(self._episodes(samples, params))
-            task.add_done_callback(lambda done, key=key: self._finish(key, done))
+            task.add_done_callback(partial(self._batches.settle, key))
 
     async def poll(self) -> dict[int, list[Sample]]:
-        while not self._finished:
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
-                raise failure
-            self._has_finished.clear()
-            await self._has_finished.wait()
-        finished, self._finished = self._finished, {}
-        return finished
+        """{key: samples} of every batch finished (or aborted) since the last poll."""
+        return await self._batches.poll()
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         self._interrupted = False
@@ -70,13 +63,6 @@ class AgentLoop:
         """Abort the turns being generated; episodes between turns stop before the next."""
         self._interrupted = True
         return self.generation.interrupt()
-
-    def _finish(self, key: int, done: asyncio.Task) -> None:
-        if done.exception() is not None:
-            self._failure = done.exception()
-        else:
-            self._finished[key] = done.result()
-        self._has_finished.set()
 
     async def _episodes(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         for sample in samples:

@@ -8,6 +8,7 @@ thread, between steps, so a weight update or an abort never interleaves with a s
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from rl.types import Sample, SamplingParams
 from rollout.engines.contract import RolloutEngine
@@ -22,13 +23,52 @@ class _Call:
         self.done: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
 
 
+class FinishedBatches:
+    """Batches started under keys, handed back by `poll` as they finish: the polling side of
+    GenerationLoop and of rollout.agent_loop.AgentLoop."""
+
+    def __init__(self) -> None:
+        self._finished: dict[int, list[Sample]] = {}  # key -> samples, until polled
+        self._has_finished = asyncio.Event()
+        self._failure: BaseException | None = None
+
+    def add(self, key: int, samples: list[Sample]) -> None:
+        assert key not in self._finished, f"batch {key} finished twice before a poll"
+        self._finished[key] = samples
+        self._has_finished.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """Nothing else would report `exc` (batches start without waiting): the next poll
+        raises it."""
+        self._failure = exc
+        self._has_finished.set()
+
+    def settle(self, key: int, done: asyncio.Future[list[Sample]]) -> None:
+        """A done-callback: the batch's samples, or the failure that ended it."""
+        if done.exception() is not None:
+            self.fail(done.exception())
+        else:
+            self.add(key, done.result())
+
+    async def poll(self) -> dict[int, list[Sample]]:
+        """{key: samples} of every batch finished since the last poll, once there is at
+        least one: batches that finish together come back in one message, the long tail's
+        one by one."""
+        while not self._finished:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
+            self._has_finished.clear()
+            await self._has_finished.wait()
+        finished, self._finished = self._finished, {}
+        return finished
+
+
 class GenerationLoop:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._owner: dict[int, _Call] = {}  # id(sample) -> the call it belongs to
-        self._finished: dict[int, list[Sample]] = {}  # key -> samples, until polled
-        self._has_finished = asyncio.Event()
-        self._failure: BaseException | None = None
+        self._batches = FinishedBatches()
         self._stepper: asyncio.Task | None = None
 
     def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
@@ -42,24 +82,15 @@ class GenerationLoop:
             # would ever report this: the engine's state is unknown, everything in flight
             # fails with it, and the waiting poll raises it.
             self._fail(exc)
-            self._failure = exc
-            self._has_finished.set()
+            self._batches.fail(exc)
             return
         for key, call in zip(batches, calls, strict=True):
-            call.done.add_done_callback(lambda done, key=key: self._finish(key, done))
+            call.done.add_done_callback(partial(self._batches.settle, key))
 
     async def poll(self) -> dict[int, list[Sample]]:
-        """{key: samples} of every batch finished (or aborted) since the last poll, once
-        there is at least one: the driver learns of batches that finish together in one
-        message, and of the long tail's one by one."""
-        while not self._finished:
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
-                raise failure
-            self._has_finished.clear()
-            await self._has_finished.wait()
-        finished, self._finished = self._finished, {}
-        return finished
+        """{key: samples} of every batch finished (or aborted) since the last poll (see
+        FinishedBatches.poll)."""
+        return await self._batches.poll()
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         """Generate `samples` alongside everything else in flight, outside the polled batches;
@@ -83,14 +114,6 @@ class GenerationLoop:
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._run())
         return calls
-
-    def _finish(self, key: int, done: asyncio.Future[list[Sample]]) -> None:
-        if done.exception() is not None:
-            self._failure = done.exception()
-        else:
-            assert key not in self._finished, f"batch {key} finished twice before a poll"
-            self._finished[key] = done.result()
-        self._has_finished.set()
 
     async def _run(self) -> None:
         try:
