@@ -102,6 +102,13 @@ class RolloutWorker:
         assert self._loop is not None, "call ready() first"
         return self._loop.interrupt()
 
+    async def close(self) -> None:
+        """Stop what the engine's process started besides the engine: an agent's tool pool
+        (its worker processes and their directory). Ray kills an actor's children without
+        running their cleanup, so the driver calls this before letting an actor go."""
+        if isinstance(self._loop, AgentLoop):
+            self._loop.tools.close()
+
     async def release_memory(self) -> bool:
         """Free the engine's device memory while a colocated trainer runs (GPU only)."""
         return self._engine.release_memory()

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rl.cluster.reservation import Placement
 from rl.config import Config
@@ -19,6 +19,8 @@ from rl.observe.actor_logs import actor_log_file
 from rl.run.scheduler.ports import WorkerLost
 from rl.types import Sample, SamplingParams
 from rollout.worker import RolloutWorker
+
+CLOSE_TIMEOUT_S = 10.0  # how long a rollout worker may take to stop its tool pool
 
 
 def engine_options(cfg: Config, placement: Placement, index: int, num_roles_sharing: int) -> dict:
@@ -72,6 +74,7 @@ class RolloutReplicas:
         """Replace worker `index` (dead or not) by a fresh one on the checkpoint's weights
         (version 0), in the same place; returns it once its engine is up. What the old one
         had in flight is forgotten: its batches are gone, and the caller starts them again."""
+        self._close([self.workers[index]])
         ray.kill(self.workers[index], no_restart=True)
         self._num_in_flight[index] = 0
         self._worker_of = {key: i for key, i in self._worker_of.items() if i != index}
@@ -79,6 +82,20 @@ class RolloutReplicas:
         self.workers[index] = self._start(index)
         ray.get(self.workers[index].ready.remote())
         return self.workers[index]
+
+    def close(self) -> None:
+        """Let every live worker stop its tool pool (rollout.worker.RolloutWorker.close)
+        before Ray kills the actors."""
+        self._close(self.workers)
+
+    @staticmethod
+    def _close(workers: list[ActorHandle]) -> None:
+        refs = [worker.close.remote() for worker in workers]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=CLOSE_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError):
+                pass  # dead, or busy past the timeout: Ray's kill is all that is left
 
     def describe_devices(self) -> list[str]:
         """Per engine, the GPUs its ranks use (what --dry-run can only name by bundle)."""

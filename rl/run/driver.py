@@ -161,6 +161,7 @@ def _run(
     try:
         plan, num_roles = placement.plan, placement.plan.num_roles_sharing
         rollout = RolloutReplicas(cfg, placement, num_roles_sharing=num_roles)
+        closers.append(rollout.close)
         for line in rollout.describe_devices():
             print(line, flush=True)
         trainers = PolicyRanks(cfg, placement, num_roles_sharing=num_roles)
