@@ -57,20 +57,11 @@ class RolloutWorker:
     def _agent_loop(self, generation: GenerationLoop) -> AgentLoop:
         from transformers import AutoTokenizer
 
-        from rl.agents.environment import get_environment
         from rl.agents.tool_pool import ToolPool
 
-        agent = self._agent
-        tools = ToolPool(
-            [*get_environment(agent.environment).tools, *agent.tools],
-            num_workers=agent.tool_workers,
-            timeout_s=agent.tool_timeout_s,
-            cpu_s=agent.tool_cpu_s,
-            memory_mb=agent.tool_memory_mb,
-            log_file=self._log_file,
-        )
+        tools = ToolPool.for_agent(self._agent, self._log_file)
         tokenizer = AutoTokenizer.from_pretrained(self._args[0])
-        return AgentLoop(generation, tokenizer, agent, tools)
+        return AgentLoop(generation, tokenizer, self._agent, tools)
 
     @property
     def _engine(self) -> RolloutEngine:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rl.config import AgentConfig
 from rl.config.registry import NoTraits, Registry
 
 Message = dict[str, Any]
@@ -92,3 +93,8 @@ class Calculator(ToolUse):
 def get_environment(name: str) -> type[Environment]:
     """The environment class registered as `name` (ValueError naming the valid ones)."""
     return ENVIRONMENTS.get(name)
+
+
+def agent_tools(cfg: AgentConfig) -> list[str]:
+    """The tools an agent set-up's episodes may call: its environment's, then `agent.tools`."""
+    return [*get_environment(cfg.environment).tools, *cfg.tools]

@@ -48,9 +48,8 @@ class Episode:
     turns_well_formed: int = 0  # ... all of them well-formed, known and with valid arguments
     num_calls: int = 0
     num_runs: int = 0  # calls a tool worker ran
-    errors: Counter = field(
-        default_factory=Counter
-    )  # kind -> calls (rl.agents.tool_calls/tool_pool)
+    # Failed calls by kind (rl.agents.tool_calls' and rl.agents.tool_pool's error kinds).
+    errors: Counter = field(default_factory=Counter)
     tool_seconds: float = 0.0
     # (start, end) wall-clock times (time.time()) of the calls run since the driver last took
     # them for its trace (rl.run.scheduler.loop).

@@ -27,6 +27,7 @@ from typing import Literal
 
 from rl.agents.tool_worker import Settings
 from rl.agents.tools import check_arguments, resolve_tool
+from rl.config import AgentConfig
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 
 ErrorKind = Literal["timeout", "crash", "memory", "error", "bad_arguments", "unknown_tool"]
@@ -136,6 +137,21 @@ class ToolPool:
             raise
         self._thread = threading.Thread(target=self._serve, name="tool-pool", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_agent(cls, cfg: AgentConfig, log_file: str | None = None) -> ToolPool:
+        """The pool of an agent set-up: its tools (rl.agents.environment.agent_tools) under
+        its `agent.tool_*` limits."""
+        from rl.agents.environment import agent_tools
+
+        return cls(
+            agent_tools(cfg),
+            num_workers=cfg.tool_workers,
+            timeout_s=cfg.tool_timeout_s,
+            cpu_s=cfg.tool_cpu_s,
+            memory_mb=cfg.tool_memory_mb,
+            log_file=log_file,
+        )
 
     def submit(self, name: str, arguments: dict) -> Future[ToolResult]:
         """Queue a call of tool `name`; its future completes with the `ToolResult`."""

@@ -28,7 +28,6 @@ from transformers import (
 
 from rl.agents.environment import get_environment
 from rl.agents.tool_pool import ToolPool
-from rl.agents.tools import resolve_tool
 from rl.agents.trajectory import render
 from rl.base.episodes import IGNORE, demonstration_row, greedy_episode_accuracy
 from rl.config import BaseBuildConfig, Config
@@ -234,8 +233,9 @@ def _agent_base(
     sandboxed pool that `stack` closes)."""
     agent = cfg.agent
     env_class = get_environment(agent.environment)
-    specs = [*env_class.tools, *agent.tools]
-    schemas = [resolve_tool(spec).schema for spec in specs] or None
+    # Started first: a tool that cannot be served fails before any training.
+    pool = stack.enter_context(ToolPool.for_agent(agent))
+    schemas = pool.schemas or None
     # The tokenizer learns merges from whole conversations as the template renders them,
     # special tokens left out (they are never merged).
     renderer = train_tokenizer([], cfg.base.vocab_size)
@@ -248,15 +248,6 @@ def _agent_base(
 
     tokenizer = train_tokenizer(texts(), cfg.base.vocab_size)
     model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
-    pool = stack.enter_context(
-        ToolPool(
-            specs,
-            num_workers=agent.tool_workers,
-            timeout_s=agent.tool_timeout_s,
-            cpu_s=agent.tool_cpu_s,
-            memory_mb=agent.tool_memory_mb,
-        )
-    )
     max_new = cfg.rollout.max_new_tokens
 
     def accuracy_of(examples: list[dict]) -> float:

@@ -281,9 +281,9 @@ def _describe_agent(cfg: Config) -> str:
     agent = cfg.agent
     if not agent.enabled:
         return "agent: off (single-turn prompt -> response)"
-    from rl.agents.environment import get_environment
+    from rl.agents.environment import agent_tools
 
-    tools = [*get_environment(agent.environment).tools, *agent.tools]
+    tools = agent_tools(agent)
     return (
         f"agent: environment {agent.environment}, tools {', '.join(tools) or 'none'} "
         f"({agent.tool_call_format} calls) in {agent.tool_workers} sandboxed workers per rollout "

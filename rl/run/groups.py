@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from rl.agents.environment import get_environment
+from rl.agents.environment import agent_tools, get_environment
 from rl.agents.episode import start_group
 from rl.agents.tools import resolve_tool
 from rl.config import Config
@@ -26,8 +26,8 @@ class GroupStarter:
         self.tool_schemas: list[dict] | None = None
         if cfg.agent.enabled:
             self.env_class = get_environment(cfg.agent.environment)
-            specs = [*self.env_class.tools, *cfg.agent.tools]
-            self.tool_schemas = [resolve_tool(spec).schema for spec in specs] or None
+            schemas = [resolve_tool(spec).schema for spec in agent_tools(cfg.agent)]
+            self.tool_schemas = schemas or None
 
     def start(self, example: dict, group_id: int, n: int) -> list[Sample]:
         if self.env_class is None:

@@ -152,13 +152,7 @@ class Evaluator:
             from rl.agents.tool_pool import ToolPool
 
             self._env_class = get_environment(self.agent.environment)
-            self._tools = ToolPool(
-                [*self._env_class.tools, *self.agent.tools],
-                num_workers=self.agent.tool_workers,
-                timeout_s=self.agent.tool_timeout_s,
-                cpu_s=self.agent.tool_cpu_s,
-                memory_mb=self.agent.tool_memory_mb,
-            )
+            self._tools = ToolPool.for_agent(self.agent)
         self.engine = build_engine(str(model_dir), cfg, "float32", seed)
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
