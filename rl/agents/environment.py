@@ -3,8 +3,8 @@
 An environment is a plain Python class (docs/agents.md has a complete example):
 
 - `tools`: the tools the policy may call, as `rl.agents.tool_pool.ToolPool` takes them
-  (built-in names such as "python", or "module:function"). Their JSON schemas go into the
-  chat template's `tools`; calls run only in the pool's sandboxed worker processes.
+  (built-in names such as "python", or "path/to/file.py:function"). Their JSON schemas go
+  into the chat template's `tools`; calls run only in the pool's sandboxed worker processes.
 - `reset(example)`: the episode's first messages, from a data example. Every sample of a
   group starts from the same example and must get the same messages (GRPO compares answers
   to one prompt).
@@ -14,6 +14,10 @@ An environment is a plain Python class (docs/agents.md has a complete example):
   first turn without a tool call and shows the tool results otherwise.
 - `demonstration(example)`: optionally, the whole conversation of a correct episode, which
   `rl build-base` fine-tunes a base model on.
+
+Built-in environments are registered in `ENVIRONMENTS`; a user's is named
+`path/to/file.py:ClassName` and runs only in sandboxed workers (rl.agents.env_pool), so it must
+be picklable: its state travels, pickled, with the episode.
 
 An episode's reward is the task's reward of its last assistant message (the answer, scored by
 `reward.terms` like a single-turn response) plus the sum of `step`'s rewards.
@@ -27,6 +31,7 @@ from typing import Any, ClassVar
 
 from rl.config import AgentConfig
 from rl.config.registry import NoTraits, Registry
+from rl.user_code import parse_file_ref
 
 Message = dict[str, Any]
 
@@ -90,11 +95,17 @@ class Calculator(ToolUse):
         ]
 
 
-def get_environment(name: str) -> type[Environment]:
-    """The environment class registered as `name` (ValueError naming the valid ones)."""
-    return ENVIRONMENTS.get(name)
+def get_environment(cfg: AgentConfig) -> type[Environment]:
+    """The class of `cfg.environment`: a registered one (ValueError naming the valid ones), or
+    the stand-in for a user's `path/to/file.py:ClassName`, whose code runs only in sandboxed
+    workers (rl.agents.env_pool; this starts them)."""
+    if parse_file_ref(cfg.environment, f"agent.environment {cfg.environment!r}") is not None:
+        from rl.agents.env_pool import sandboxed_environment  # it imports this module
+
+        return sandboxed_environment(cfg)
+    return ENVIRONMENTS.get(cfg.environment)
 
 
 def agent_tools(cfg: AgentConfig) -> list[str]:
     """The tools an agent set-up's episodes may call: its environment's, then `agent.tools`."""
-    return [*get_environment(cfg.environment).tools, *cfg.tools]
+    return [*get_environment(cfg).tools, *cfg.tools]

@@ -6,12 +6,14 @@ Between turns (`observe`): the assistant's tool calls are parsed in the configur
 and checked against the tools' schemas; each valid one runs in the sandboxed tool pool; each
 result, or the error the model must read (malformed call, unknown tool, bad arguments, a tool
 that failed, hung or flooded), becomes one "tool" message, cut to `max_tool_output_tokens`
-tokens and marked. The environment then decides the observation and whether the episode ends.
+tokens and marked. The environment then decides the observation and whether the episode ends;
+a user's environment that fails to (rl.agents.env_pool.EnvFailure) ends the episode there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -20,6 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from rl.agents.env_pool import EnvFailure
 from rl.agents.environment import Environment, EnvStep, Message
 from rl.agents.tool_calls import ToolCall, error_observation, parse_tool_calls
 from rl.agents.tool_pool import ToolResult
@@ -27,6 +30,7 @@ from rl.agents.trajectory import encode_messages
 from rl.types import Sample
 
 RunTool = Callable[[str, dict], Awaitable[ToolResult]]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Episode:
     # them for its trace (rl.run.scheduler.loop).
     tool_spans: list[tuple[float, float]] = field(default_factory=list)
     max_turns_reached: bool = False
+    env_failures: int = 0  # steps of a user's environment that failed (rl.agents.env_pool)
 
     @property
     def answer(self) -> str:
@@ -127,7 +132,14 @@ async def observe(
             episode.errors[call.kind] += 1
             name, content = "error", error_observation(call, call_format)
         messages.append({"role": "tool", "name": name, "content": content})
-    step = episode.env.step(turn, messages)
+    try:
+        # In a thread: a user's environment steps in its sandbox (rl.agents.env_pool) while
+        # this loop serves the other episodes.
+        step = await asyncio.to_thread(episode.env.step, turn, messages)
+    except EnvFailure as e:  # the episode ends here; the others go on
+        logger.warning("an episode ended because its environment failed: %s", e)
+        episode.env_failures += 1
+        return EnvStep(done=True)
     episode.reward += step.reward
     return step
 
@@ -163,6 +175,7 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/masked_token_frac": 1.0 - sampled / max(total, 1),
         "agent/max_turns_reached": sum(e.max_turns_reached for e in episodes) / num,
         "agent/env_reward_mean": sum(e.reward for e in episodes) / num,
+        "agent/env_failures": float(sum(e.env_failures for e in episodes)),
     }
     errors: Counter = sum((e.errors for e in episodes), Counter())
     for kind, count in errors.items():

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from typing import Literal
 
 from rl.agents.tool_worker import Settings
-from rl.agents.tools import check_arguments, resolve_tool
+from rl.agents.tools import check_arguments, check_schema, resolve_tool
 from rl.config import AgentConfig
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 
@@ -63,7 +63,8 @@ class _Worker:
 
 class ToolPool:
     """`num_workers` worker processes running calls of `tools`: built-in names ("python"),
-    "module:function" specs or functions defined at the top level of importable modules.
+    users' "path/to/file.py:function" or functions defined at the top level of importable
+    modules.
 
     Each call runs in a fresh process with a wall-clock limit of `timeout_s`, a CPU-time limit
     of `cpu_s`, an address-space limit of `memory_mb` MiB (0: none), an empty working
@@ -95,12 +96,12 @@ class ToolPool:
             if not value >= low:
                 raise ValueError(f"{key} must be >= {low:g}, got {value}")
         specs = [resolve_tool(tool) for tool in tools]
-        self._tools = {spec.name: spec for spec in specs}
-        if len(self._tools) < len(specs):
-            names = [spec.name for spec in specs]
+        names = [spec.name for spec in specs]
+        if len(set(names)) < len(names):
             twice = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"tools named twice: {', '.join(twice)}")
-        self.schemas = [spec.schema for spec in specs]
+        # name -> function schema; users' files' schemas arrive with the workers' "ready".
+        self._schemas: dict[str, dict | None] = {spec.name: spec.schema for spec in specs}
         self.network_isolated = False
         self._timeout_s = timeout_s
         self._memory_mb = memory_mb
@@ -109,6 +110,7 @@ class ToolPool:
         self._root = tempfile.mkdtemp(prefix="tandem-tools-")
         settings = Settings(
             {spec.name: spec.spec for spec in specs},
+            [spec.name for spec in specs if spec.schema is None],
             timeout_s,
             cpu_s,
             memory_mb,
@@ -138,6 +140,11 @@ class ToolPool:
         self._thread = threading.Thread(target=self._serve, name="tool-pool", daemon=True)
         self._thread.start()
 
+    @property
+    def schemas(self) -> list[dict]:
+        """The tools' function schemas, in order, for the chat template."""
+        return list(self._schemas.values())
+
     @classmethod
     def for_agent(cls, cfg: AgentConfig, log_file: str | None = None) -> ToolPool:
         """The pool of an agent set-up: its tools (rl.agents.environment.agent_tools) under
@@ -156,13 +163,13 @@ class ToolPool:
     def submit(self, name: str, arguments: dict) -> Future[ToolResult]:
         """Queue a call of tool `name`; its future completes with the `ToolResult`."""
         future: Future[ToolResult] = Future()
-        tool = self._tools.get(name)
-        if tool is None:
-            known = ", ".join(self._tools)
+        schema = self._schemas.get(name)
+        if schema is None:
+            known = ", ".join(self._schemas)
             message = f"Unknown tool {name!r}; the tools are: {known}"
             future.set_result(ToolResult(message, "unknown_tool", 0.0))
             return future
-        problem = check_arguments(tool.schema, arguments)
+        problem = check_arguments(schema, arguments)
         if problem is None:
             try:
                 payload = json.dumps({"name": name, "arguments": arguments}).encode()
@@ -305,6 +312,9 @@ class ToolPool:
         if "ready" in message:
             w.ready = True
             self.network_isolated = message["network_isolated"]
+            for name, schema in message["schemas"].items():
+                if name in self._schemas and self._schemas[name] is None:
+                    self._schemas[name] = check_schema(name, schema)
             return
         seconds = time.monotonic() - w.busy_since
         self._finish(w, ToolResult(message["output"], message["error"], seconds))
@@ -323,3 +333,13 @@ class ToolPool:
             message = f"Crash: the tool's worker process died (exit code {code})"
             self._finish(w, ToolResult(message, "crash", time.monotonic() - w.busy_since))
         self._replace(w)
+
+
+def tool_schemas(tools: Sequence[str | Callable]) -> list[dict]:
+    """The function schemas of `tools`, for the chat template: read here for built-in and
+    imported tools, by a one-worker pool when a user's file is among them."""
+    specs = [resolve_tool(tool) for tool in tools]
+    if all(spec.schema is not None for spec in specs):
+        return [spec.schema for spec in specs]
+    with ToolPool(tools, num_workers=1) as pool:
+        return pool.schemas

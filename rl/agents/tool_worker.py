@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from rl.sandbox import connect, describe, isolate_network, when_orphaned
+from rl.user_code import load_file_object, parse_file_ref
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded here: a forked child should not run the dynamic loader
@@ -42,7 +43,8 @@ _LIBC = ctypes.CDLL(None)  # loaded here: a forked child should not run the dyna
 class Settings:
     """What the driver sends a worker first (as JSON)."""
 
-    tools: dict[str, str]  # name -> "module:function"
+    tools: dict[str, str]  # name -> "module:function" or "/path/file.py:function"
+    describe: list[str]  # the tools whose schemas the driver asks for (users' files)
     timeout_s: float
     cpu_s: float
     memory_mb: int
@@ -51,7 +53,10 @@ class Settings:
 
 
 def import_tool(spec: str) -> Callable:
-    """The object that `spec` ("module:qualified.name") names."""
+    """The object that `spec` ("module:qualified.name" or "/path/file.py:name") names."""
+    ref = parse_file_ref(spec, f"tool {spec!r}")
+    if ref is not None:
+        return load_file_object(f"tool {spec!r}", *ref)
     module, _, qualname = spec.partition(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
@@ -270,6 +275,14 @@ def _report(
     return {"output": full, "error": error}
 
 
+def _schemas(tools: dict[str, Callable], names: list[str]) -> dict[str, dict]:
+    if not names:
+        return {}
+    from rl.agents.tools import tool_schema  # transformers: only where a schema is asked for
+
+    return {name: tool_schema(tools[name]) for name in names}
+
+
 def main(fd: int) -> None:
     """Serve the driver at connection `fd` until it closes it."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing tool leaves no core file
@@ -283,10 +296,12 @@ def main(fd: int) -> None:
         when_orphaned(partial(shutil.rmtree, s.root, ignore_errors=True))
         try:
             tools = {name: import_tool(spec) for name, spec in s.tools.items()}
+            schemas = _schemas(tools, s.describe)
         except Exception as e:
             conn.send_bytes(json.dumps({"failed": describe(e)}).encode())
             return
-        conn.send_bytes(json.dumps({"ready": True, "network_isolated": network_isolated}).encode())
+        ready = {"ready": True, "network_isolated": network_isolated, "schemas": schemas}
+        conn.send_bytes(json.dumps(ready).encode())
         while True:
             call = json.loads(conn.recv_bytes())
             message = _run(tools[call["name"]], call["arguments"], s, fd)

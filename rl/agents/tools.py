@@ -3,12 +3,14 @@ arguments against it, and naming a tool so that a worker process can import it.
 
 A tool is a function defined at the top level of an importable module, with a type hint and
 a docstring line (Google style, under `Args:`) for each parameter, and returning a str, int,
-float, bool, None, list or dict. The driver imports tools only to read their schemas; they run
-in `ToolPool` workers.
+float, bool, None, list or dict. A user's tool is named `path/to/file.py:function`: the driver
+only reads that file (rl.user_code); a `ToolPool` worker imports it, reads its schema and runs
+its calls. A built-in tool is named by its `BUILTIN_TOOLS` name.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,18 +23,20 @@ from transformers.utils.chat_template_utils import (
 )
 
 from rl.agents.builtin_tools import BUILTIN_TOOLS
-from rl.agents.tool_worker import import_tool
+from rl.user_code import check_file_object, parse_file_ref
 
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A tool as a worker process finds it: `spec` is "module:function", `root` the directory
-    that `module` is imported from, `schema` what `tool_schema` gives."""
+    """A tool as a worker process finds it: `spec` is "module:function" (`root` the directory
+    that `module` is imported from) or "/absolute/path/file.py:function" (`root` empty).
+    `schema` is what `tool_schema` gives; None for a user's file, whose schema only a worker
+    can read."""
 
     name: str
     spec: str
     root: str
-    schema: dict
+    schema: dict | None
 
 
 def tool_schema(fn: Callable) -> dict:
@@ -51,16 +55,21 @@ def tool_schema(fn: Callable) -> dict:
 
 
 def resolve_tool(tool: str | Callable) -> ToolSpec:
-    """A tool given as a built-in name ("python"), a "module:function" spec or a function
-    defined at the top level of an importable module. ValueError naming what is wrong."""
+    """A tool given as a built-in name ("python"), a user's `path/to/file.py:function` (read,
+    not imported) or a function defined at the top level of an importable module (a caller's
+    own, already imported). ValueError naming what is wrong."""
     if isinstance(tool, str):
-        if ":" not in tool:
-            fn = BUILTIN_TOOLS.get(tool)
-        else:
-            try:
-                fn = import_tool(tool)
-            except (ImportError, AttributeError) as e:
-                raise ValueError(f"tool {tool!r} cannot be imported: {e}") from None
+        ref = parse_file_ref(tool, f"tool {tool!r}")
+        if ref is not None:
+            path, name = ref
+            check_file_object(f"tool {tool!r}", path, name)
+            return ToolSpec(name, f"{os.path.abspath(path)}:{name}", "", None)
+        if tool not in BUILTIN_TOOLS:
+            raise ValueError(
+                f"tool {tool!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS.names())}) "
+                "nor 'path/to/file.py:function'"
+            )
+        fn = BUILTIN_TOOLS.get(tool)
     else:
         fn = tool
     if not callable(fn):
@@ -75,6 +84,24 @@ def resolve_tool(tool: str | Callable) -> ToolSpec:
         )
     spec = f"{fn.__module__}:{fn.__qualname__}"
     return ToolSpec(fn.__name__, spec, _import_root(module), tool_schema(fn))
+
+
+def check_schema(name: str, schema: object) -> dict:
+    """`schema` if it has the shape `tool_schema` gives for a tool called `name` (it came
+    from a worker process, which ran a user's file); RuntimeError otherwise."""
+    function = schema.get("function") if isinstance(schema, dict) else None
+    parameters = function.get("parameters") if isinstance(function, dict) else None
+    if not (
+        isinstance(parameters, dict)
+        and schema.get("type") == "function"
+        and function.get("name") == name
+        and isinstance(function.get("description", ""), str)
+        and isinstance(parameters.get("properties"), dict)
+        and all(isinstance(p, dict) for p in parameters["properties"].values())
+        and isinstance(parameters.get("required", []), list)
+    ):
+        raise RuntimeError(f"a tool worker sent a malformed schema for tool {name!r}")
+    return schema
 
 
 def _import_root(module: object) -> str:

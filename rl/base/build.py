@@ -26,6 +26,7 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
+from rl.agents.env_pool import close_env_pools
 from rl.agents.environment import get_environment
 from rl.agents.tool_pool import ToolPool
 from rl.agents.trajectory import render
@@ -232,8 +233,9 @@ def _agent_base(
     SFT on the environment's demonstrations, accuracy of greedy episodes with real tools (in a
     sandboxed pool that `stack` closes)."""
     agent = cfg.agent
-    env_class = get_environment(agent.environment)
-    # Started first: a tool that cannot be served fails before any training.
+    # Started first: an environment or a tool that cannot be served fails before any training.
+    stack.callback(close_env_pools)
+    env_class = get_environment(agent)
     pool = stack.enter_context(ToolPool.for_agent(agent))
     schemas = pool.schemas or None
     # The tokenizer learns merges from whole conversations as the template renders them,

@@ -53,14 +53,25 @@ def _check_agent(cfg: Config, path: Path | str) -> None:
         return
     from rl.agents.environment import ENVIRONMENTS
     from rl.agents.tool_calls import TOOL_CALL_FORMATS
+    from rl.agents.tools import resolve_tool
+    from rl.user_code import check_file_object, parse_file_ref
 
+    try:
+        user_env = parse_file_ref(agent.environment, f"agent.environment {agent.environment!r}")
+        if user_env is not None:  # read, not imported: it runs only in its sandbox
+            check_file_object(f"agent.environment {agent.environment!r}", *user_env)
+        for tool in agent.tools:
+            resolve_tool(tool)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     for key, value, registry in (
-        ("agent.environment", agent.environment, ENVIRONMENTS),
+        ("agent.environment", agent.environment, None if user_env else ENVIRONMENTS),
         ("agent.tool_call_format", agent.tool_call_format, TOOL_CALL_FORMATS),
     ):
-        if value not in registry:
+        if registry is not None and value not in registry:
             raise ConfigError(
                 f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
+                + (" or a path/to/file.py:ClassName" if key == "agent.environment" else "")
             )
     for key, value, minimum in (
         ("agent.max_turns", agent.max_turns, 1),
@@ -69,6 +80,9 @@ def _check_agent(cfg: Config, path: Path | str) -> None:
         ("agent.tool_timeout_s", agent.tool_timeout_s, 1e-3),
         ("agent.tool_cpu_s", agent.tool_cpu_s, 1),
         ("agent.tool_memory_mb", agent.tool_memory_mb, 0),
+        ("agent.env_workers", agent.env_workers, 1),
+        ("agent.env_timeout_s", agent.env_timeout_s, 1e-3),
+        ("agent.env_memory_mb", agent.env_memory_mb, 0),
     ):
         if value < minimum:
             raise ConfigError(f"{path}: {key} must be >= {minimum}, got {value}")

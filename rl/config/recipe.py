@@ -281,11 +281,19 @@ def _describe_agent(cfg: Config) -> str:
     agent = cfg.agent
     if not agent.enabled:
         return "agent: off (single-turn prompt -> response)"
-    from rl.agents.environment import agent_tools
+    from rl.agents.environment import ENVIRONMENTS
 
-    tools = agent_tools(agent)
+    if agent.environment in ENVIRONMENTS:
+        tools = ", ".join([*ENVIRONMENTS.get(agent.environment).tools, *agent.tools]) or "none"
+        environment = agent.environment
+    else:  # a user's: its tools are read when its sandboxed workers start
+        tools = ", ".join(["the environment's", *agent.tools])
+        environment = (
+            f"{agent.environment} in {agent.env_workers} sandboxed workers per process "
+            f"({agent.env_timeout_s:g} s per call, {agent.env_memory_mb} MiB)"
+        )
     return (
-        f"agent: environment {agent.environment}, tools {', '.join(tools) or 'none'} "
+        f"agent: environment {environment}, tools {tools} "
         f"({agent.tool_call_format} calls) in {agent.tool_workers} sandboxed workers per rollout "
         f"worker (per call: {agent.tool_timeout_s:g} s wall clock, {agent.tool_cpu_s:g} s CPU, "
         f"{agent.tool_memory_mb} MiB, no network where the platform allows); at most "

@@ -304,13 +304,14 @@ class AgentConfig(Section):
     environment: str = Field(
         "",
         description="Agent environment from rl.agents.environment.ENVIRONMENTS (tool_use, "
-        "calculator); empty = single-turn prompt -> response. rollout.max_new_tokens then caps "
+        "calculator) or a user's path/to/file.py:ClassName, run only in sandboxed environment "
+        "workers; empty = single-turn prompt -> response. rollout.max_new_tokens then caps "
         "every token after the prompt: turns, tool results and template text.",
     )
     tools: list[str] = Field(
         default_factory=list,
-        description="Tools besides the environment's: built-in names (python) or "
-        "module:function, run only in the sandboxed tool pool.",
+        description="Tools besides the environment's: built-in names (python) or a user's "
+        "path/to/file.py:function, run only in the sandboxed tool pool.",
     )
     tool_call_format: str = Field(
         "hermes", description="Tool-call syntax from rl.agents.tool_calls.TOOL_CALL_FORMATS."
@@ -324,6 +325,15 @@ class AgentConfig(Section):
     tool_cpu_s: float = Field(30.0, description="CPU-time limit of one tool call (whole seconds).")
     tool_memory_mb: int = Field(
         1024, description="Address-space limit of a tool call, MiB (0 = none)."
+    )
+    env_workers: int = Field(
+        2, description="Sandboxed workers per process running a user's environment's methods."
+    )
+    env_timeout_s: float = Field(
+        30.0, description="Wall-clock limit of one reset or step of a user's environment."
+    )
+    env_memory_mb: int = Field(
+        2048, description="Address-space limit of a user's environment worker, MiB (0 = none)."
     )
 
     @property

@@ -8,13 +8,9 @@ processes as `FunctionTerm` values and are loaded there again.
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import importlib.util
 import math
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +19,7 @@ from typing import Literal
 from rl.config import RewardConfig
 from rl.data.tasks import Task
 from rl.rewards.verifiers import VERIFIERS
+from rl.user_code import check_file_object, load_file_object, parse_file_ref
 
 RewardFn = Callable[[str, dict], float]
 TermKind = Literal["task", "verifier", "file", "model"]
@@ -45,18 +42,8 @@ def parse_term(name: str) -> tuple[TermKind, str]:
         if not path:
             raise ValueError(f"reward term {name!r}: no checkpoint path after 'model:'")
         return "model", path
-    file, sep, function = name.rpartition(":")
-    if sep and file.endswith(".py"):
-        if not function.isidentifier():
-            raise ValueError(
-                f"reward term {name!r}: {function!r} is not a function name "
-                "(expected 'path/to/file.py:function')"
-            )
+    if parse_file_ref(name, f"reward term {name!r}") is not None:
         return "file", name
-    if name.endswith(".py"):
-        raise ValueError(
-            f"reward term {name!r}: name the function too, as 'path/to/file.py:function'"
-        )
     if name not in VERIFIERS:
         raise ValueError(f"reward term {name!r}: unknown verifier {name!r}; valid: {_term_forms()}")
     return "verifier", name
@@ -74,73 +61,14 @@ def term_label(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", "_", label).strip("_") or "term"
 
 
-def check_user_function(term: str, path: str, function: str) -> None:
-    """Without running it: the Python file `path` exists, parses, and binds `function` at
-    top level. ValueError naming what is wrong. User code runs only in reward workers
-    (rl.rewards.pool), which import it with a timeout, limits and a clean environment."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(
-            f"reward term {term!r}: file {path!r} not found "
-            f"(relative paths start at the working directory {os.getcwd()})"
-        )
-    try:
-        tree = ast.parse(file.read_bytes(), filename=str(file))
-    except (SyntaxError, ValueError) as e:
-        raise ValueError(f"reward term {term!r}: {str(file)!r} does not parse: {e}") from None
-    if function not in _top_level_names(tree):
-        raise ValueError(f"reward term {term!r}: {str(file)!r} has no function {function!r}")
-
-
-def _top_level_names(tree: ast.Module) -> set[str]:
-    """The names a module binds at top level: defs, classes, assignments and imports."""
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
-
-
 def load_user_function(term: str, path: str, function: str) -> RewardFn:
-    """`function` from the Python file `path`, imported by path; ValueError naming what is wrong."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(
-            f"reward term {term!r}: file {path!r} not found "
-            f"(relative paths start at the working directory {os.getcwd()})"
-        )
-    file = file.resolve()
-    # A unique module name per file: two users' `reward.py` must not replace each other, and
-    # registering it in sys.modules lets dataclasses and pickling inside the file work.
-    digest = hashlib.sha1(str(file).encode()).hexdigest()[:8]
-    stem = re.sub(r"[^A-Za-z0-9_]", "_", file.stem)
-    module_name = f"tandem_reward_{stem}_{digest}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"reward term {term!r}: {str(file)!r} cannot be imported")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[module_name]
-            raise ValueError(
-                f"reward term {term!r}: importing {str(file)!r} failed: {type(e).__name__}: {e}"
-            ) from e
-    fn = getattr(module, function, None)
-    if fn is None:
-        raise ValueError(f"reward term {term!r}: {str(file)!r} has no function {function!r}")
+    """`function` from the Python file `path` (rl.user_code.load_file_object): only in a
+    reward worker. ValueError naming what is wrong."""
+    what = f"reward term {term!r}"
+    fn = load_file_object(what, path, function)
     if not callable(fn):
         raise ValueError(
-            f"reward term {term!r}: {function!r} in {str(file)!r} is not callable "
-            f"(it is a {type(fn).__name__})"
+            f"{what}: {function!r} in {path!r} is not callable (it is a {type(fn).__name__})"
         )
     return fn
 
@@ -165,7 +93,9 @@ class FunctionTerm:
             return cls(name, "verifier")
         if kind == "file":
             path, _, function = arg.rpartition(":")
-            check_user_function(name, path, function)  # statically: it is imported by workers
+            check_file_object(
+                f"reward term {name!r}", path, function
+            )  # statically: it is imported by workers
             return cls(name, "file", path=os.path.abspath(path), function=function)
         raise ValueError(f"reward term {name!r} is a reward model, not a function")
 
@@ -194,7 +124,7 @@ def check_reward_terms(cfg: RewardConfig) -> None:
         kind, arg = parse_term(term.name)
         if kind == "file":
             path, _, function = arg.rpartition(":")
-            check_user_function(term.name, path, function)
+            check_file_object(f"reward term {term.name!r}", path, function)
         elif kind == "model" and not (Path(arg) / "config.json").is_file():
             raise ValueError(
                 f"reward term {term.name!r}: {arg!r} is not an HF checkpoint directory "

@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rl.agents.environment import agent_tools, get_environment
 from rl.agents.episode import start_group
-from rl.agents.tools import resolve_tool
+from rl.agents.tool_pool import tool_schemas
 from rl.config import Config
 from rl.data.prompts import encode_prompt
 from rl.types import Sample, fresh_samples
@@ -16,8 +16,9 @@ class GroupStarter:
     """`start(example, group_id, n)`: the n fresh samples answering `example`.
 
     Single-turn: the prompt as a user turn. Agent runs: each sample an episode of
-    `agent.environment`, whose prompt lists the tools' schemas (read here by importing the
-    tools' modules; the tools themselves run only in the rollout workers' sandboxed pools).
+    `agent.environment` (a user's runs in this process's sandboxed environment workers), whose
+    prompt lists the tools' schemas (rl.agents.tool_pool.tool_schemas); the tools run only in
+    the rollout workers' sandboxed pools.
     """
 
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -25,9 +26,8 @@ class GroupStarter:
         self.env_class = None
         self.tool_schemas: list[dict] | None = None
         if cfg.agent.enabled:
-            self.env_class = get_environment(cfg.agent.environment)
-            schemas = [resolve_tool(spec).schema for spec in agent_tools(cfg.agent)]
-            self.tool_schemas = schemas or None
+            self.env_class = get_environment(cfg.agent)
+            self.tool_schemas = tool_schemas(agent_tools(cfg.agent)) or None
 
     def start(self, example: dict, group_id: int, n: int) -> list[Sample]:
         if self.env_class is None:

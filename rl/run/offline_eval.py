@@ -151,14 +151,17 @@ class Evaluator:
             from rl.agents.environment import get_environment
             from rl.agents.tool_pool import ToolPool
 
-            self._env_class = get_environment(self.agent.environment)
+            self._env_class = get_environment(self.agent)
             self._tools = ToolPool.for_agent(self.agent)
         self.engine = build_engine(str(model_dir), cfg, "float32", seed)
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
     def close(self) -> None:
         if self._tools is not None:
+            from rl.agents.env_pool import close_env_pools
+
             self._tools.close()
+            close_env_pools()
 
     def sample(self, examples: list[dict], n: int, temperature: float) -> list[list[Sample]]:
         """n samples per example (its "prompt", or for an agent the environment's reset), in

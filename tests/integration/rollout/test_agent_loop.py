@@ -3,7 +3,8 @@ ToolPool with the built-in `python` tool, and a tiny Qwen2 with Qwen2.5's chat t
 (tools in the system prompt, "tool" messages as <tool_response> blocks).
 
 An untrained model writes no tool calls, so the episodes here run a scripted environment
-that answers every turn (a tool result, then a user's reply) until the third. The model's
+(three_turns.py, a user's file run in its sandbox) that answers every turn (a tool result,
+then a user's reply) until the third. The model's
 end-of-turn token is made likely (`_make_turns_short`) so that its turns end by themselves
 after a few tokens rather than at the token limit. Where a test needs a tool called, the
 episode starts as a turn aborted mid-way that had written the call (rollout.agent_loop
@@ -28,7 +29,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rl.agents.environment import Environment, EnvStep
+from rl.agents.env_pool import close_env_pools
+from rl.agents.environment import Environment, get_environment
 from rl.agents.episode import start_group
 from rl.agents.tool_pool import WORKER_GRACE_S, ToolPool
 from rl.agents.trajectory import observation_ids
@@ -41,12 +43,12 @@ from rollout.engines.registry import build_engine
 from tests.helpers.chat_templates import qwen_tokenizer
 from tests.helpers.processes import child_pids
 from tests.helpers.waiting import HANG_GUARD_S, wait_until
+from tests.integration.rollout.three_turns import NUM_TURNS
 from trainer.hf_model import new_qwen2, save_hf_atomic
 
 pytestmark = pytest.mark.integration
 
 TEMPERATURE = 0.7
-NUM_TURNS = 3
 # Prompts (Qwen2.5's system prompt lists the tools) are ~590 tokens with python, ~820 with two.
 # The tokenizer is small: ~1 token per character of text outside its corpus.
 MAX_NEW_TOKENS = 256
@@ -54,31 +56,15 @@ MAX_NEW_TOKENS = 256
 ROLLOUT = RolloutConfig(
     kv_cache_gb=0.0625, gpu_memory_utilization=0.1, max_model_len=1280, temperature=TEMPERATURE
 )
-AGENT = AgentConfig(environment="tool_use", max_turns=NUM_TURNS + 1, tool_workers=2)
+# A user's environment, run as users' are: in sandboxed workers, its state pickled with the
+# sample (rl.agents.env_pool).
+AGENT = AgentConfig(
+    environment=f"{Path(__file__).with_name('three_turns.py')}:ThreeTurns",
+    max_turns=NUM_TURNS + 1,
+    tool_workers=2,
+)
 EXAMPLE = {"prompt": "What is 2+2? Use python."}
 PARITY_TOL = 1e-4  # fp32 engine log-probs against a plain HF forward (tests/integration/rollout)
-
-
-class ThreeTurns(Environment):
-    """Answers each assistant turn until the third: with the results of its tool calls when
-    it made any, else with a scripted tool result (after the first turn) or a user's reply
-    (after the second). Its state travels with the sample, like every environment's."""
-
-    tools = ("python",)
-
-    def reset(self, example: dict) -> list[dict]:
-        self.turns = 0
-        return [{"role": "user", "content": example["prompt"]}]
-
-    def step(self, turn: str, tool_messages: list[dict]) -> EnvStep:
-        self.turns += 1
-        if self.turns == NUM_TURNS:
-            return EnvStep(reward=1.0, done=True)
-        if tool_messages:
-            return EnvStep(tool_messages, reward=0.5)
-        if self.turns == 1:
-            return EnvStep([{"role": "tool", "name": "python", "content": "4"}], reward=0.5)
-        return EnvStep([{"role": "user", "content": "Check it with python, please."}])
 
 
 # -- a tiny model whose turns end ------------------------------------------------------------
@@ -172,27 +158,23 @@ def engines(model_dirs: dict[str, Path]) -> Iterator[Engines]:
         made.close()
 
 
-def _tool_pool(cfg: AgentConfig, env: type[Environment]) -> ToolPool:
-    """The pool a rollout worker starts for `cfg` (rollout.worker.RolloutWorker._agent_loop)."""
-    return ToolPool(
-        [*env.tools, *cfg.tools],
-        num_workers=cfg.tool_workers,
-        timeout_s=cfg.tool_timeout_s,
-        cpu_s=cfg.tool_cpu_s,
-        memory_mb=cfg.tool_memory_mb,
-    )
+def _three_turns() -> type[Environment]:
+    """The environment's class here (its workers start with the first call)."""
+    return get_environment(AGENT)
 
 
 @pytest.fixture(scope="module")
 def tools() -> Iterator[ToolPool]:
-    with _tool_pool(AGENT, ThreeTurns) as pool:
+    with ToolPool.for_agent(AGENT) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_workers_left() -> Iterator[None]:
     yield
-    wait_until(lambda: not child_pids(b"rl.agents.tool_worker"), "tool workers exiting")
+    close_env_pools()
+    for worker in (b"rl.agents.tool_worker", b"rl.agents.env_worker"):
+        wait_until(lambda w=worker: not child_pids(w), "the sandboxes' workers exiting")
 
 
 # -- what the engine sampled, piece by piece -------------------------------------------------
@@ -264,7 +246,7 @@ def _agent_loop(engine: Recording, tokenizer, tools: ToolPool, cfg: AgentConfig 
 
 def _groups(tokenizer, tools: ToolPool, num_groups: int, n: int) -> dict[int, list[Sample]]:
     return {
-        g: start_group(ThreeTurns, tokenizer, EXAMPLE, tools.schemas, n, g)
+        g: start_group(_three_turns(), tokenizer, EXAMPLE, tools.schemas, n, g)
         for g in range(num_groups)
     }
 
@@ -471,7 +453,7 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
     elsewhere = pickle.loads(pickle.dumps(at_interrupt))
     other = Recording(engines.fresh(engine_name, "untied"))
     other.engine.version = 1
-    with _tool_pool(AGENT, ThreeTurns) as pool:
+    with ToolPool.for_agent(AGENT) as pool:
         copies = {key: [s for s in elsewhere.values() if s.group_id == key] for key in partial}
         _run(_agent_loop(other, tokenizer, pool), copies, params)
 
@@ -533,13 +515,10 @@ def hang(pid_file: str) -> str:
 
 
 @pytest.fixture
-def slow_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A tool module in a directory of its own, importable here (the driver reads the tool's
-    schema) and, through the PYTHONPATH the pool gives them, in the tool workers."""
+def slow_tools(tmp_path: Path) -> str:
+    """A user's tool file: its schema and its calls come from the tool workers."""
     (tmp_path / "agent_slow_tools.py").write_text(SLOW_TOOLS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "agent_slow_tools:hang"
-    sys.modules.pop("agent_slow_tools", None)
+    return f"{tmp_path / 'agent_slow_tools.py'}:hang"
 
 
 def _calling(tokenizer, sample: Sample, *calls: tuple[str, dict]) -> Piece:
@@ -567,9 +546,9 @@ def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
     )
     pid_file = tmp_path / "hang.pid"
     engine = Recording(engines.shared("torch", "untied"))
-    with _tool_pool(cfg, ThreeTurns) as pool:
+    with ToolPool.for_agent(cfg) as pool:
         batches = {
-            g: start_group(ThreeTurns, tokenizer, EXAMPLE, pool.schemas, 1, g) for g in range(3)
+            g: start_group(_three_turns(), tokenizer, EXAMPLE, pool.schemas, 1, g) for g in range(3)
         }
         clock = {"code": "import time\ntime.monotonic()"}
         prefilled = {

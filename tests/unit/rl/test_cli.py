@@ -235,6 +235,9 @@ def test_agent_recipe_errors_name_the_key() -> None:
     agent = "recipes/agent_calculator_cpu.yaml"
     for override, message in (
         ("agent.environment=nope", "agent.environment='nope' is not one of calculator, tool_use"),
+        ("agent.environment=no_env.py:Env", "agent.environment 'no_env.py:Env': file 'no_env.py'"),
+        ("agent.environment=no_env.py", "agent.environment 'no_env.py': name the object too"),
+        ("agent.env_timeout_s=0", "agent.env_timeout_s must be >= 0.001, got 0.0"),
         ("agent.max_turns=0", "agent.max_turns must be >= 1, got 0"),
         ("agent.tool_call_format=xml", "agent.tool_call_format='xml' is not one of hermes"),
         ("trainer.share_prompts=true", "trainer.share_prompts does not apply to agent episodes"),
@@ -242,3 +245,20 @@ def test_agent_recipe_errors_name_the_key() -> None:
         result = run_cli("train", agent, "--dry-run", override)
         assert result.returncode == 2, override
         assert message in result.stderr, result.stderr
+
+
+def test_a_users_environment_is_read_not_imported_by_the_dry_run(tmp_path: Path) -> None:
+    marker = tmp_path / "imported"
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from rl.agents.environment import Environment\n"
+        "class Mine(Environment):\n"
+        "    tools = ('python',)\n"
+    )
+    agent = "recipes/agent_calculator_cpu.yaml"
+    result = run_cli("train", agent, "--dry-run", f"agent.environment={env_file}:Mine")
+    assert result.returncode == 0, result.stderr
+    assert f"agent: environment {env_file}:Mine in 2 sandboxed workers per process" in result.stdout
+    assert "tools the environment's (hermes calls)" in result.stdout
+    assert not marker.exists()

@@ -227,6 +227,7 @@ def test_episode_metrics_of_two_episodes_by_hand():
     a.turns_well_formed, a.num_calls, a.num_runs, a.tool_seconds = 1, 3, 2, 0.6
     a.errors, a.max_turns_reached = Counter(malformed=1, timeout=2), True
     b = Episode(ToolUse(), [], None, num_turns=1, reward=-0.25, errors=Counter(timeout=1))
+    b.env_failures = 1
     samples = [
         Sample([1], 0, 0, response_ids=[2] * 10, loss_mask=[1] * 3 + [0] * 4 + [1] * 3, episode=a),
         Sample([1], 0, 1, response_ids=[2] * 5, loss_mask=[1] * 5, episode=b),
@@ -243,6 +244,7 @@ def test_episode_metrics_of_two_episodes_by_hand():
         "agent/masked_token_frac": 4 / 15,
         "agent/max_turns_reached": 1 / 2,
         "agent/env_reward_mean": (0.5 - 0.25) / 2,
+        "agent/env_failures": 1.0,
         "agent/tool_errors_malformed": 1.0,
         "agent/tool_errors_timeout": 3.0,
     }

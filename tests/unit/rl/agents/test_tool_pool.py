@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rl.agents.builtin_tools import BUILTIN_TOOLS
 from rl.agents.tool_pool import ToolPool, ToolResult
 from tests.helpers.processes import child_pids
 from tests.helpers.waiting import wait_until
@@ -283,13 +284,64 @@ def test_a_pool_whose_process_is_killed_leaves_no_directory_or_worker(tmp_path: 
 
 
 def test_tools_that_cannot_be_served_are_refused_when_the_pool_starts() -> None:
-    with pytest.raises(ValueError, match="tool 'no_such_module:f' cannot be imported"):
-        ToolPool(["no_such_module:f"])
-    with pytest.raises(ValueError, match="unknown built-in tool 'pyton'; valid: python"):
+    with pytest.raises(ValueError, match="tool 'no_such_file.py:f': file 'no_such_file.py' not"):
+        ToolPool(["no_such_file.py:f"])
+    with pytest.raises(ValueError, match=r"tool 'pyton' is neither a built-in tool \(python\)"):
         ToolPool(["pyton"])
     with pytest.raises(ValueError, match="define it at the top level"):
         ToolPool([lambda: None])
     with pytest.raises(ValueError, match="tools named twice: python"):
-        ToolPool(["python", "rl.agents.builtin_tools:python"])
+        ToolPool(["python", BUILTIN_TOOLS.get("python")])
     with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
         ToolPool(["python"], num_workers=0)
+
+
+def test_a_users_tool_file_is_imported_and_described_only_by_the_workers(tmp_path: Path) -> None:
+    marker = tmp_path / "imported_by"
+    tool_file = tmp_path / "kv_tools.py"
+    tool_file.write_text(
+        "import os\n"
+        f"open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "def lookup(key: str, default: int = 0) -> str:\n"
+        '    """Read a key from the store.\n\n'
+        "    Args:\n"
+        "        key: The key to read.\n"
+        "        default: What to return for a missing key.\n"
+        '    """\n'
+        "    return {'a': 'one'}.get(key, str(default))\n"
+    )
+    with ToolPool([f"{tool_file}:lookup"], num_workers=2) as pool:
+        importers = {int(pid) for pid in marker.read_text().split()}
+        assert os.getpid() not in importers and len(importers) == 2  # each worker, not us
+        # The JSON schema the chat template's `tools` takes, written out by hand.
+        assert pool.schemas == [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "description": "Read a key from the store.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "key": {"type": "string", "description": "The key to read."},
+                            "default": {
+                                "type": "integer",
+                                "description": "What to return for a missing key.",
+                            },
+                        },
+                        "required": ["key"],
+                    },
+                    "return": {"type": "string"},
+                },
+            }
+        ]
+        assert _call(pool, "lookup", key="a").output == "one"
+        assert _call(pool, "lookup", key="b", default=7).output == "7"
+        assert _call(pool, "lookup", key=1).error == "bad_arguments"  # checked against it
+
+
+def test_a_users_tool_without_a_schema_fails_the_pool_naming_it(tmp_path: Path) -> None:
+    tool_file = tmp_path / "bare.py"
+    tool_file.write_text("def lookup(key):\n    return key\n")
+    with pytest.raises(RuntimeError, match="could not import the tools: ValueError: tool 'lookup'"):
+        ToolPool([f"{tool_file}:lookup"], num_workers=1)

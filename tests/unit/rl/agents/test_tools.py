@@ -3,12 +3,13 @@ and the built-in python tool's semantics (run here: it is this repo's code)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from rl.agents.builtin_tools import python
-from rl.agents.tools import check_arguments, resolve_tool, tool_schema
+from rl.agents.tools import ToolSpec, check_arguments, resolve_tool, tool_schema
 from tests.helpers.repo import REPO
 from tests.unit.rl.agents import sample_tools
 
@@ -131,7 +132,19 @@ def test_a_tool_is_named_by_its_module_and_imported_from_its_root() -> None:
     assert (spec.name, spec.spec) == ("nap", "tests.unit.rl.agents.sample_tools:nap")
     assert spec.root == str(REPO)
     assert resolve_tool("python").spec == "rl.agents.builtin_tools:python"
-    assert resolve_tool("tests.unit.rl.agents.sample_tools:nap") == spec
+
+
+def test_a_users_tool_file_is_read_not_imported_by_the_driver(tmp_path: Path) -> None:
+    imported = tmp_path / "imported"
+    tool_file = tmp_path / "my_tools.py"
+    tool_file.write_text(
+        f"open({str(imported)!r}, 'w').close()\ndef lookup(key: str) -> str: ...\n"
+    )
+    spec = resolve_tool(f"{tool_file}:lookup")
+    assert spec == ToolSpec("lookup", f"{tool_file}:lookup", "", None)  # its schema: a worker's
+    assert not imported.exists()
+    with pytest.raises(ValueError, match=r"my_tools\.py' defines no 'other' at top level"):
+        resolve_tool(f"{tool_file}:other")
 
 
 def test_the_python_tool_shows_the_last_expression_like_the_repl() -> None:

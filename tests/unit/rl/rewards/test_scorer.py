@@ -170,7 +170,7 @@ def test_on_error_fail_names_term_and_sample(rewards_file: Path) -> None:
 def test_bad_terms_fail_in_the_constructor(rewards_file: Path) -> None:
     others = _worker_pids()
     cfg = RewardConfig(terms=_terms((f"{rewards_file}:missing", 1.0)))
-    with pytest.raises(ValueError, match="has no function 'missing'"):
+    with pytest.raises(ValueError, match="defines no 'missing'"):
         RewardScorer(cfg, get_task("addition"))
     assert _worker_pids() == others
 

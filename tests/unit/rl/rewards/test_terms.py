@@ -76,8 +76,8 @@ def test_parse_and_label() -> None:
     [
         ("nope", r"reward term 'nope': unknown verifier 'nope'; valid: 'task', a verifier "
                  r"\(arithmetic, countdown, math\)"),
-        ("reward.py", "name the function too"),
-        ("reward.py:not-a-name", "is not a function name"),
+        ("reward.py", "name the object too"),
+        ("reward.py:not-a-name", "is not a Python name"),
         ("model:", "no checkpoint path"),
     ],
 )  # fmt: skip
@@ -108,7 +108,7 @@ def test_user_function_errors_found_by_reading_the_file(tmp_path: Path) -> None:
     syntax.write_text("def fn(response, example)\n    return 1.0\n")
     cases = [
         (f"{tmp_path}/missing.py:fn", r"file '.*missing\.py' not found"),
-        (f"{good}:other", r"reward\.py' has no function 'other'"),
+        (f"{good}:other", r"reward\.py' defines no 'other'"),
         (f"{syntax}:fn", r"syntax\.py' does not parse"),
     ]
     for name, message in cases:
