@@ -20,7 +20,7 @@ _ALLOWED_FROM_RL = (
     "rl.observe",
     "rl.agents",
 )
-_AGENTS_MAY_IMPORT = ("rl.agents", "rl.config", "rl.types", "rl.sandbox")
+_AGENTS_MAY_IMPORT = ("rl.agents", "rl.config", "rl.types", "rl.sandbox", "rl.user_code")
 _TRANSPORTS = (
     "rl.sync.shared_memory",
     "rl.sync.distributed",
