@@ -30,7 +30,7 @@ from rl.agents.env_pool import close_env_pools
 from rl.agents.environment import get_environment
 from rl.agents.tool_pool import ToolPool
 from rl.agents.trajectory import render
-from rl.base.episodes import IGNORE, demonstration_row, greedy_episode_accuracy
+from rl.base.episodes import IGNORE, demonstration, demonstration_row, greedy_episode_accuracy
 from rl.config import BaseBuildConfig, Config
 from rl.data.loading import PromptStream, load_split
 from rl.data.prompts import encode_prompt
@@ -245,7 +245,7 @@ def _agent_base(
 
     def texts() -> Iterator[str]:
         for example in train:
-            messages = env_class().demonstration(example)
+            messages = demonstration(env_class, example)
             yield from specials.split(render(renderer, messages, schemas, False))
 
     tokenizer = train_tokenizer(texts(), cfg.base.vocab_size)

@@ -15,7 +15,7 @@ import asyncio
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rl.agents.environment import Environment
+from rl.agents.environment import Environment, Message
 from rl.agents.episode import start_group
 from rl.agents.tool_pool import ToolPool
 from rl.agents.trajectory import add_observation, end_turn
@@ -27,6 +27,17 @@ from rollout.agent_loop import AgentLoop
 IGNORE = -100  # label value that cross-entropy skips
 
 
+def demonstration(env_class: type[Environment], example: dict) -> list[Message]:
+    """`example`'s demonstration; ValueError when the environment gives none."""
+    messages = env_class().demonstration(example)
+    if messages is None:
+        raise ValueError(
+            f"environment {env_class.__name__} has no demonstration(example) to build a base "
+            "from: point model.path at a model that already calls tools"
+        )
+    return messages
+
+
 def demonstration_row(
     env_class: type[Environment],
     tokenizer: PreTrainedTokenizerBase,
@@ -34,12 +45,7 @@ def demonstration_row(
     tools: list[dict] | None,
 ) -> tuple[list[int], list[int]]:
     """(input ids, labels) of `example`'s demonstration: labels on the assistant turns only."""
-    messages = env_class().demonstration(example)
-    if messages is None:
-        raise ValueError(
-            f"environment {env_class.__name__} has no demonstration(example) to build a base "
-            "from: point model.path at a model that already calls tools"
-        )
+    messages = demonstration(env_class, example)
     sample = start_group(env_class, tokenizer, example, tools, 1, 0)[0]
     start = len(sample.episode.messages)
     if messages[:start] != sample.episode.messages:
