@@ -88,6 +88,11 @@ class Sample:
     # while a turn is being generated it covers the tokens before that turn.
     loss_mask: list[int] | None = None
     episode: Episode | None = None
+    # Engines that report their prefix cache (vLLM): the prompt tokens of the finished
+    # requests that generated this sample (an agent's turn is one), and how many of them the
+    # cache served instead of a prefill. None: the engine does not report it.
+    request_prompt_tokens: int = 0
+    cached_prompt_tokens: int | None = None
 
     @property
     def sampled_mask(self) -> list[int]:

@@ -177,6 +177,11 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/env_reward_mean": sum(e.reward for e in episodes) / num,
         "agent/env_failures": float(sum(e.env_failures for e in episodes)),
     }
+    reporting = [s for s in samples if s.episode is not None and s.cached_prompt_tokens is not None]
+    if reporting:  # vLLM: how much of each turn's history its prefix cache served
+        metrics["agent/prefix_cache_hit_rate"] = sum(
+            s.cached_prompt_tokens for s in reporting
+        ) / max(sum(s.request_prompt_tokens for s in reporting), 1)
     errors: Counter = sum((e.errors for e in episodes), Counter())
     for kind, count in errors.items():
         metrics[f"agent/tool_errors_{kind}"] = float(count)

@@ -159,6 +159,9 @@ class VLLMEngine:
                 sample = request[completion.index]
                 self._append(sample, completion.token_ids, completion.logprobs)
                 sample.finish_reason = completion.finish_reason
+                sample.request_prompt_tokens += len(output.prompt_token_ids)
+                cached = output.num_cached_tokens or 0
+                sample.cached_prompt_tokens = (sample.cached_prompt_tokens or 0) + cached
                 finished.append(sample)
         decode_responses(self._tokenizer, finished)
         return finished

@@ -389,6 +389,15 @@ def test_multi_turn_logprobs_match_transformers_and_observations_are_inserted(
         turns += check_trajectory(tokenizer, sample, engine.pieces[sample.group_id, sample.index])
         assert 0 < sum(sample.loss_mask) < len(sample.response_ids)
         assert parity_gap(model, sample) < PARITY_TOL
+        if engine_name == "vllm":  # a turn is a request holding the history, mostly cached
+            mask = sample.loss_mask
+            starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+            assert len(starts) == NUM_TURNS
+            turn_prompts = sum(len(sample.prompt_ids) + start for start in starts)
+            assert sample.request_prompt_tokens == turn_prompts
+            assert 0 < sample.cached_prompt_tokens <= turn_prompts
+        else:
+            assert sample.cached_prompt_tokens is None
     # Re-encoding some turns' text gives other tokens (splits BPE would not make, broken
     # UTF-8, ids the tokenizer lacks): the checks above would catch a loop that re-encoded.
     assert any(

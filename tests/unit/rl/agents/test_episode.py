@@ -233,6 +233,9 @@ def test_episode_metrics_of_two_episodes_by_hand():
         Sample([1], 0, 1, response_ids=[2] * 5, loss_mask=[1] * 5, episode=b),
         Sample([1], 1, 0, response_ids=[2] * 7),  # single-turn: not an episode, not counted
     ]
+    # Reported by vLLM for the turn requests: A's 30 of 100 prompt tokens cached, B's 10 of 60.
+    for sample, prompt, cached in zip(samples, (100, 60, 50), (30, 10, 50), strict=True):
+        sample.request_prompt_tokens, sample.cached_prompt_tokens = prompt, cached
     metrics = episode_metrics(samples)
     expected = {
         "agent/turns_mean": (3 + 1) / 2,
@@ -245,6 +248,7 @@ def test_episode_metrics_of_two_episodes_by_hand():
         "agent/max_turns_reached": 1 / 2,
         "agent/env_reward_mean": (0.5 - 0.25) / 2,
         "agent/env_failures": 1.0,
+        "agent/prefix_cache_hit_rate": (30 + 10) / (100 + 60),
         "agent/tool_errors_malformed": 1.0,
         "agent/tool_errors_timeout": 3.0,
     }
@@ -252,3 +256,6 @@ def test_episode_metrics_of_two_episodes_by_hand():
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value), key
     assert episode_metrics(samples[2:]) == {}
+    for sample in samples:  # the torch engine reports no prefix cache
+        sample.cached_prompt_tokens = None
+    assert "agent/prefix_cache_hit_rate" not in episode_metrics(samples)
