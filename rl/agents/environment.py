@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from rl.config import AgentConfig
 from rl.config.registry import NoTraits, Registry
-from rl.user_code import parse_file_ref
+from rl.user_code import check_file_object, parse_file_ref
 
 Message = dict[str, Any]
 
@@ -93,6 +93,20 @@ class Calculator(ToolUse):
             {"role": "tool", "name": "python", "content": example["answer"] + "\n"},
             {"role": "assistant", "content": example["answer"]},
         ]
+
+
+def check_environment(name: str) -> None:
+    """Without running a user's code: `name` is a registered environment, or a
+    `path/to/file.py:ClassName` whose file parses and defines it. ValueError naming it."""
+    what = f"agent.environment {name!r}"
+    user = parse_file_ref(name, what)
+    if user is not None:
+        check_file_object(what, *user)
+    elif name not in ENVIRONMENTS:
+        raise ValueError(
+            f"{what} is neither a built-in environment ({', '.join(ENVIRONMENTS.names())}) "
+            "nor 'path/to/file.py:ClassName'"
+        )
 
 
 def get_environment(cfg: AgentConfig) -> type[Environment]:

@@ -51,28 +51,21 @@ def _check_agent(cfg: Config, path: Path | str) -> None:
     agent = cfg.agent
     if not agent.enabled:
         return
-    from rl.agents.environment import ENVIRONMENTS
+    from rl.agents.environment import check_environment
     from rl.agents.tool_calls import TOOL_CALL_FORMATS
     from rl.agents.tools import resolve_tool
-    from rl.user_code import check_file_object, parse_file_ref
 
-    try:
-        user_env = parse_file_ref(agent.environment, f"agent.environment {agent.environment!r}")
-        if user_env is not None:  # read, not imported: it runs only in its sandbox
-            check_file_object(f"agent.environment {agent.environment!r}", *user_env)
+    try:  # users' files are read, not imported: they run only in their sandboxes
+        check_environment(agent.environment)
         for tool in agent.tools:
             resolve_tool(tool)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
-    for key, value, registry in (
-        ("agent.environment", agent.environment, None if user_env else ENVIRONMENTS),
-        ("agent.tool_call_format", agent.tool_call_format, TOOL_CALL_FORMATS),
-    ):
-        if registry is not None and value not in registry:
-            raise ConfigError(
-                f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
-                + (" or a path/to/file.py:ClassName" if key == "agent.environment" else "")
-            )
+    if agent.tool_call_format not in TOOL_CALL_FORMATS:
+        raise ConfigError(
+            f"{path}: agent.tool_call_format={agent.tool_call_format!r} is not one of "
+            f"{', '.join(TOOL_CALL_FORMATS.names())}"
+        )
     for key, value, minimum in (
         ("agent.max_turns", agent.max_turns, 1),
         ("agent.max_tool_output_tokens", agent.max_tool_output_tokens, 1),

@@ -113,12 +113,9 @@ def agent_of(model: Path, environment: str | None, max_turns: int | None) -> Age
             agent.max_turns = max_turns
     except ValueError as exc:  # pydantic's errors name the key
         raise ValueError(f"agent set-up in {source}: {exc}") from None
-    from rl.agents.environment import ENVIRONMENTS
+    from rl.agents.environment import check_environment
 
-    if agent.environment not in ENVIRONMENTS:
-        raise ValueError(
-            f"unknown agent environment {agent.environment!r}; valid: {', '.join(ENVIRONMENTS.names())}"
-        )
+    check_environment(agent.environment)
     if agent.max_turns < 1:
         raise ValueError(f"--max-turns must be >= 1, got {agent.max_turns}")
     return agent

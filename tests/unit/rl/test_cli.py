@@ -228,13 +228,16 @@ def test_generate_with_an_unknown_environment_fails_before_the_engine_starts(
 ) -> None:
     result = run_cli("generate", str(tiny_model_dir), "1+1", "--environment", "nope")
     assert result.returncode == 2
-    assert "unknown agent environment 'nope'; valid: calculator, tool_use" in result.stderr
+    assert (
+        "agent.environment 'nope' is neither a built-in environment (calculator, tool_use)"
+        in result.stderr
+    )
 
 
 def test_agent_recipe_errors_name_the_key() -> None:
     agent = "recipes/agent_calculator_cpu.yaml"
     for override, message in (
-        ("agent.environment=nope", "agent.environment='nope' is not one of calculator, tool_use"),
+        ("agent.environment=nope", "agent.environment 'nope' is neither a built-in environment"),
         ("agent.environment=no_env.py:Env", "agent.environment 'no_env.py:Env': file 'no_env.py'"),
         ("agent.environment=no_env.py", "agent.environment 'no_env.py': name the object too"),
         ("agent.env_timeout_s=0", "agent.env_timeout_s must be >= 0.001, got 0.0"),

@@ -25,6 +25,9 @@ def test_agent_of_reads_a_base_or_a_checkpoint_and_flags_override(tmp_path: Path
     assert (agent.environment, agent.max_turns) == ("calculator", 3)
     assert agent_of(base, None, 5).max_turns == 5
     assert agent_of(base, "tool_use", None).environment == "tool_use"
+    user_env = tmp_path / "my_env.py"
+    user_env.write_text("class Mine:\n    pass\n")  # read, not imported, here
+    assert agent_of(base, f"{user_env}:Mine", None).environment == f"{user_env}:Mine"
 
     checkpoint = tmp_path / "step_000001"
     checkpoint.mkdir()
@@ -43,8 +46,10 @@ def test_agent_of_refuses_bad_records_and_flags_by_name(tmp_path: Path) -> None:
     recorded = tmp_path / "base_info.json"
     with pytest.raises(ValueError, match=f"(?s)agent set-up in {recorded}: .*max_turns"):
         agent_of(tmp_path, None, None)
-    with pytest.raises(ValueError, match="unknown agent environment 'nope'"):
+    with pytest.raises(ValueError, match="agent.environment 'nope' is neither a built-in"):
         agent_of(tmp_path, "nope", None)
+    with pytest.raises(ValueError, match="agent.environment 'no.py:Env': file 'no.py' not found"):
+        agent_of(tmp_path, "no.py:Env", None)
     with pytest.raises(ValueError, match="--max-turns must be >= 1, got 0"):
         agent_of(tmp_path, "calculator", 0)
 
