@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         )
         command.add_argument(
             "--environment",
-            help="run multi-turn episodes of this agent environment (rl.agents.environment); "
+            help="run multi-turn episodes of this agent environment (a built-in one or "
+            "path/to/file.py:ClassName, run in a sandbox); "
             "default: the one the model records, if any",
         )
         command.add_argument(
