@@ -1,5 +1,6 @@
 """Worker processes for code the driver must not run itself: users' reward functions
-(rl.rewards.pool) and agents' tools (rl.agents.tool_pool).
+(rl.rewards.pool), agents' tools (rl.agents.tool_pool) and users' environments
+(rl.agents.env_pool).
 
 A worker is `python -m MODULE FD`, a fresh interpreter rather than a fork of the driver (whose
 Ray and torch threads a fork would copy mid-lock, and whose main module multiprocessing would
