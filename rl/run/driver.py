@@ -23,6 +23,7 @@ import datasets
 import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from rl.agents.env_pool import close_env_pools
 from rl.base.build import ensure_base
 from rl.checkpoint.base_weights import check_base, weight_hashes
 from rl.checkpoint.run_state import DriverState, RunCheckpoints
@@ -204,6 +205,7 @@ def _run(
         # An agent's tool calls run on the rollout workers' CPUs: a lane without devices.
         lanes = plan.trace_lanes() | ({"tools": []} if cfg.agent.enabled else {})
         trace = Trace(lanes, on_phases=logger.show_phases)
+        closers.append(close_env_pools)  # a user's environment's workers, if _Loop starts them
         loop = _Loop(cfg, rollout, tokenizer, task, test_examples, prompts_stream, trace, logger)
         scheduler = Scheduler(
             Settings.from_config(cfg, placement.use_gpu),

@@ -23,6 +23,7 @@ from rl.config import Config
 from rl.observe.metrics import is_measurement
 from rl.run.driver import train
 from rl.types import Sample, SamplingParams
+from tests.helpers.processes import child_pids
 from tests.helpers.tiny_runs import tiny_run_tree
 from tests.helpers.waiting import wait_until
 
@@ -127,6 +128,7 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
     _, killed, orphans = _kill_at_step_2(monkeypatch)
     train(cfg)
     records = _records(cfg)
+    assert not child_pids(b"rl.agents.env_worker")  # the driver's own (for reset) stopped
 
     assert len(killed) == 1
     assert [r["rollout/workers_replaced"] for r in records[1:]] == [0, 1, 0]
