@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kernels import logprobs, naive_logprobs
 from kernels.attention import ATTENTION
-from rl.config import ModelConfig, TrainerConfig
+from rl.config import LoraConfig, ModelConfig, TrainerConfig
 from trainer.packing import IGNORE, ModelInput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -201,10 +201,29 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+def with_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int) -> nn.Module:
+    """`model` with peft LoRA adapters on `cfg.target_modules`: only they train (peft freezes
+    the rest), and the base with the adapters disabled is the frozen reference. Each adapter's
+    B starts at zero, so the policy starts as the base. The layers stay the model's own
+    modules (peft replaces the targeted linears inside them), so `decoder_layers` found before
+    still names the FSDP units. The A matrices are drawn from `seed`: every rank draws the
+    same ones, and FSDP2 keeps each rank's shard of them."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=cfg.target_modules
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(model, peft_cfg)
+
+
 def load_sharded(
-    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool
+    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool, seed: int = 0
 ) -> LogProbModel:
-    """Load `cfg.path` in fp32 and shard it with FSDP2 (`shard_with_fsdp`).
+    """Load `cfg.path` in fp32 and shard it with FSDP2 (`shard_with_fsdp`); trainable with
+    `cfg.lora` on: its adapters only (`with_lora`, drawn from `seed`).
 
     Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
     host memory once per rank).
@@ -219,6 +238,8 @@ def load_sharded(
     if trainable:
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
+    if trainable and cfg.lora.enabled:
+        model = with_lora(model, cfg.lora, seed)
     wrapper = LogProbModel(model, trainer_cfg)
     # A frozen model runs under no_grad: it saves no activations to recompute.
     checkpointed = trainable and trainer_cfg.activation_checkpointing

@@ -5,6 +5,7 @@ Data parallelism, micro-batching with dummy rows and the optimizer step: see `tr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -71,9 +72,10 @@ class PolicyTrainer(RoleRank):
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
         self.num_replicas = num_replicas(mesh)
-        self.policy = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True)
+        self.policy = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True, seed=cfg.run.seed)
         self.reference: LogProbModel | None = None
-        if cfg.algorithm.kl_coef > 0:
+        # With LoRA the reference is the policy with its adapters disabled: no second model.
+        if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
             self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
         self.sender: WeightSender | None = None  # set by open_weight_sender
         self.loss_scale = loss_scale_for(cfg.model.dtype)
@@ -96,19 +98,23 @@ class PolicyTrainer(RoleRank):
         `model` is "policy" or "reference". At temperature rollout.temperature. Collective:
         every rank must call it with the same batch; each computes its own rows.
         """
+        adapters = contextlib.nullcontext()
         if model == "policy":
             module = self.policy
         elif model == "reference" and self.reference is not None:
             module = self.reference
+        elif model == "reference" and self.cfg.model.lora.enabled:
+            module, adapters = self.policy, self.policy.model.disable_adapter()
         else:
             raise ValueError(f"no {model!r} model (a reference exists when algorithm.kl_coef > 0)")
         self.residency.ensure_on_device()
         pieces = []
         temperature = self.cfg.rollout.temperature
-        for _, inputs, rows in self._micro_batches(batch):
-            logprob = module(inputs, temperature)[0]  # dummies run too: collectives
-            if rows is not None:
-                pieces.append((rows, logprob))
+        with adapters:
+            for _, inputs, rows in self._micro_batches(batch):
+                logprob = module(inputs, temperature)[0]  # dummies run too: collectives
+                if rows is not None:
+                    pieces.append((rows, logprob))
         reshard(module)  # no backward follows to free the gathered parameters
         return gather_rows(pieces, batch, self.device)
 

@@ -16,7 +16,6 @@ another output_dir) sets aside all of them and is brought in (hard-linked where 
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from rl.checkpoint.store import (
     verify,
 )
 from rl.config import Config
+from rl.config.recipe import checkpoint_tensor_shapes
 from rl.run.directory import RunLock
 
 DRIVER_STATE = "driver.json"
@@ -150,21 +150,11 @@ def check_compatible(cfg: Config, path: Path) -> None:
         check_base(path, model_dir)
 
 
-def _safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:
-    shapes = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-    return shapes
-
-
 def _check_shapes(shapes_file: Path, model_dir: Path) -> None:
     """Every tensor the checkpoint and model.path both hold has one shape (a tied lm_head
     may be absent from either)."""
     saved = json.loads(shapes_file.read_text())
-    base = _safetensors_shapes(model_dir)
+    base = checkpoint_tensor_shapes(model_dir)
     for name, shape in saved.items():
         if name in base and base[name] != shape:
             raise CheckpointError(

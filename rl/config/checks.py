@@ -45,6 +45,31 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     _check_rollout(cfg, path)
     _check_scheduler(cfg, path)
     _check_agent(cfg, path)
+    _check_lora(cfg, path)
+
+
+# The largest adapter rank vLLM serves (its LoRAConfig.max_lora_rank choices end there).
+MAX_LORA_RANK = 512
+
+
+def _check_lora(cfg: Config, path: Path | str) -> None:
+    lora = cfg.model.lora
+    if lora.rank < 0 or lora.rank > MAX_LORA_RANK:
+        raise ConfigError(
+            f"{path}: model.lora.rank must be 0 (off) to {MAX_LORA_RANK} (the largest rank "
+            f"vLLM serves), got {lora.rank}"
+        )
+    if not lora.enabled:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"{path}: model.lora.alpha must be > 0, got {lora.alpha}")
+    if not lora.target_modules:
+        raise ConfigError(f"{path}: model.lora.target_modules is empty: name the linear modules")
+    if cfg.model.frozen:
+        raise ConfigError(
+            f"{path}: model.frozen does not apply with LoRA (model.lora.rank > 0): the base is "
+            "frozen whole and only the adapters train"
+        )
 
 
 def _check_agent(cfg: Config, path: Path | str) -> None:

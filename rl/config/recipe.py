@@ -7,6 +7,8 @@ actor starts.
 from __future__ import annotations
 
 import difflib
+import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -202,11 +204,19 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
     _check_tokenizer(model_dir, f"{path}: model.path={cfg.model.path!r}")
+    shapes = checkpoint_tensor_shapes(model_dir)
     if cfg.model.frozen:
         try:
-            cfg.model.frozen_names(_checkpoint_tensor_names(model_dir))
+            cfg.model.frozen_names(list(shapes))
         except ValueError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+    linear = _linear_modules(shapes)
+    missing = [m for m in cfg.model.lora.target_modules if m not in linear]
+    if cfg.model.lora.enabled and missing:
+        raise ConfigError(
+            f"{path}: model.lora.target_modules: {', '.join(map(repr, missing))} is not a linear "
+            f"module of {cfg.model.path}; its layers' linear modules are {', '.join(sorted(linear))}"
+        )
 
 
 # The files a Hugging Face tokenizer is made from: any one of these sets.
@@ -235,15 +245,26 @@ def _check_tokenizer(model_dir: Path, where: str) -> None:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _checkpoint_tensor_names(model_dir: Path) -> list[str]:
-    """Tensor names stored in an HF checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    names: list[str] = []
+def checkpoint_tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, as an HF checkpoint's safetensors files record them (their JSON
+    headers only: no tensor is read)."""
+    shapes = {}
     for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            names += list(f.keys())
-    return names
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    return shapes
+
+
+def _linear_modules(shapes: dict[str, list[int]]) -> set[str]:
+    """The last names of the decoder layers' linear modules (2-D weights), as peft's
+    `target_modules` match them: q_proj, ..., down_proj for Qwen2."""
+    return {
+        name.split(".")[-2]
+        for name, shape in shapes.items()
+        if ".layers." in name and name.endswith(".weight") and len(shape) == 2
+    }
 
 
 def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None = None) -> str:

@@ -155,6 +155,25 @@ class FaultsConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) trained instead of the whole model, over the frozen base; off
+    while `rank` is 0 (docs/lora.md)."""
+
+    rank: int = Field(0, description="Adapter rank r; 0 = train the whole model.")
+    alpha: float = Field(
+        16.0, description="Adapter scale numerator: the update is (alpha / rank) * B @ A."
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names of the linear modules that get an adapter (the last part of the "
+        "module name, as peft matches them).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(Section):
     path: str = Field(
         description="Local Hugging Face causal-LM directory (config, safetensors, tokenizer)."
@@ -168,6 +187,10 @@ class ModelConfig(Section):
         [],
         description="Glob patterns of HF parameter names the policy never trains (e.g. "
         "'model.embed_tokens.*'); they are not optimised and not re-sent at weight sync.",
+    )
+
+    lora: LoraConfig = Field(
+        LoraConfig(), description="LoRA adapters instead of full fine-tuning (rank 0 = off)."
     )
 
     def frozen_names(self, names: list[str]) -> list[str]:

@@ -175,3 +175,39 @@ def test_values_the_actors_would_refuse_are_refused_by_the_recipe_checks(
 def test_no_eval_prompts_is_a_run_without_evaluation() -> None:
     cfg = load_config(REPO / "recipes/grpo_addition_cpu.yaml", ["run.num_eval_prompts=0"])
     assert cfg.run.num_eval_prompts == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["model.lora.rank=600"], r"model.lora.rank must be 0 \(off\) to 512"),
+        (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha must be > 0, got 0.0"),
+        (
+            ["model.lora.rank=8", "model.lora.target_modules=[]"],
+            "model.lora.target_modules is empty",
+        ),
+        (
+            ["model.lora.rank=8", "model.frozen=[model.embed_tokens.*]"],
+            "model.frozen does not apply with LoRA",
+        ),
+    ],
+)
+def test_lora_settings_that_cannot_train_are_refused(overrides: list[str], error: str) -> None:
+    with pytest.raises(ConfigError, match=rf"grpo_addition_cpu.yaml: {error}"):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+
+
+def test_a_lora_target_the_model_lacks_is_named_with_the_models_linear_modules(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_tiny_checkpoint(tmp_path / "model", tie_word_embeddings=False)
+    cfg = _model_dir_config(model_dir)
+    cfg.model.lora.rank = 8
+    check_inputs(cfg, "recipe.yaml")  # the default targets: Qwen2's seven linears
+    cfg.model.lora.target_modules = ["q_proj", "qkv_proj"]
+    linear = "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(
+        ConfigError,
+        match=rf"'qkv_proj' is not a linear module of .*; its layers' linear modules are {linear}",
+    ):
+        check_inputs(cfg, "recipe.yaml")
