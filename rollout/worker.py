@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from rl.config import AgentConfig, RolloutConfig
+from rl.config import AgentConfig, LoraConfig, RolloutConfig
 from rl.observe.actor_logs import redirect_output
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
@@ -36,8 +36,9 @@ class RolloutWorker:
         seed: int,
         agent: AgentConfig | None = None,
         log_file: str | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
-        self._args = (model_path, cfg, dtype, seed)
+        self._args = (model_path, cfg, dtype, seed, lora)
         self._agent = agent if agent is not None and agent.enabled else None
         self._log_file = log_file
         self._loop: GenerationLoop | AgentLoop | None = None

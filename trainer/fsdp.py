@@ -208,15 +208,11 @@ def with_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int) -> nn.Module:
     modules (peft replaces the targeted linears inside them), so `decoder_layers` found before
     still names the FSDP units. The A matrices are drawn from `seed`: every rank draws the
     same ones, and FSDP2 keeps each rank's shard of them."""
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=cfg.target_modules
-    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return get_peft_model(model, peft_cfg)
+        return get_peft_model(model, cfg.peft_config())
 
 
 def load_sharded(

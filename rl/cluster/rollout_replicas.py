@@ -64,7 +64,13 @@ class RolloutReplicas:
         cfg = self._cfg
         log_file = actor_log_file(cfg, f"rollout-{index}")
         worker = RolloutWorker.options(**self._options[index]).remote(
-            cfg.model.path, cfg.rollout, cfg.model.dtype, cfg.run.seed + index, cfg.agent, log_file
+            cfg.model.path,
+            cfg.rollout,
+            cfg.model.dtype,
+            cfg.run.seed + index,
+            cfg.agent,
+            log_file,
+            cfg.model.lora,
         )
         if log_file is not None:
             worker.log_to.remote(log_file)  # runs before `ready`: calls run in order

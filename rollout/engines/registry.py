@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rl.config import RolloutConfig
+from rl.config import LoraConfig, RolloutConfig
 from rl.config.registry import Registry
 from rollout.engines.contract import RolloutEngine
 
-EngineFactory = Callable[[str, RolloutConfig, str, int], RolloutEngine]
+EngineFactory = Callable[[str, RolloutConfig, str, int, LoraConfig], RolloutEngine]
 
 
 @dataclass(frozen=True)
@@ -27,19 +27,26 @@ ENGINES: Registry[EngineFactory, EngineTraits] = Registry("rollout engine", Engi
 
 
 @ENGINES.register("vllm", tensor_parallel=True, compiles=True)
-def _vllm(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> RolloutEngine:
+def _vllm(
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig
+) -> RolloutEngine:
     from rollout.engines.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_path, cfg, dtype, seed)
+    return VLLMEngine(model_path, cfg, dtype, seed, lora)
 
 
 @ENGINES.register("torch")
-def _torch(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> RolloutEngine:
+def _torch(
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig
+) -> RolloutEngine:
     from rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_path, cfg, dtype, seed)
+    return TorchEngine(model_path, cfg, dtype, seed, lora)
 
 
-def build_engine(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> RolloutEngine:
-    """The engine `cfg.engine` names, serving the checkpoint at `model_path` (version 0)."""
-    return ENGINES.get(cfg.engine)(model_path, cfg, dtype, seed)
+def build_engine(
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig | None = None
+) -> RolloutEngine:
+    """The engine `cfg.engine` names, serving the checkpoint at `model_path` (version 0), with
+    `lora`'s adapters on it when enabled (their B zero until a weight sync: the base)."""
+    return ENGINES.get(cfg.engine)(model_path, cfg, dtype, seed, lora or LoraConfig())

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels.attention import ATTENTION
-from rl.config import RolloutConfig
+from rl.config import LoraConfig, RolloutConfig
 from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, take_peak_memory_bytes
 from rl.sync.plan import WeightSyncPlan, plan_from_json
 from rl.sync.transport import Channel, ChannelSpec, open_channel
@@ -71,7 +71,14 @@ class TorchEngine:
     `model_path`); `startup_seconds` is how long construction took.
     """
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        dtype: str,
+        seed: int,
+        lora: LoraConfig | None = None,
+    ) -> None:
         start = time.perf_counter()
         if cfg.tensor_parallel_size != 1:
             raise ValueError(
@@ -84,6 +91,12 @@ class TorchEngine:
         self._model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=ATTENTION
         )
+        if lora is not None and lora.enabled:
+            # The trainer's adapters under the trainer's names, which a weight sync copies
+            # into; B is zero until the first one, so version 0 is the base.
+            from peft import get_peft_model
+
+            self._model = get_peft_model(self._model, lora.peft_config())
         self._model.eval().requires_grad_(False)
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._eos = torch.tensor(sorted(_eos_ids(self._model, self._tokenizer)))

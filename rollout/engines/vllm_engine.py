@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rl.config import RolloutConfig
+from rl.config import LoraConfig, RolloutConfig
 from rl.observe.memory import take_peak_memory_bytes
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
@@ -92,7 +92,18 @@ class VLLMEngine:
     `model_path`); `startup_seconds` is how long construction took.
     """
 
-    def __init__(self, model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        dtype: str,
+        seed: int,
+        lora: LoraConfig | None = None,
+    ) -> None:
+        if lora is not None and lora.enabled:
+            raise ValueError(
+                "model.lora: the vLLM engine does not serve adapters yet; set rollout.engine=torch"
+            )
         start = time.perf_counter()
         num_threads = _configure_environment()
         import vllm

@@ -67,9 +67,12 @@ SETUPS = {
     # A compiled model reads the weights a sync writes in place, like an eager one.
     "qwen2-untied-tp1-compiled": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "vllm"),
     "qwen2-tied-torch": ("qwen2", True, 1, 2, 0.02, [], {}, "auto", "torch"),
+    # LoRA adapters (model.lora): only they travel, under the trainer's peft names.
+    "qwen2-untied-torch-lora": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "torch"),
     "llama-untied-torch-gloo": ("llama", False, 1, 1, 0.02, [], {}, "distributed", "torch"),
 }
 COMPILED = {"qwen2-untied-tp1-compiled"}  # setups whose engines run rollout.compile=true
+LORA_RANK = {"qwen2-untied-torch-lora": 8}  # setups with model.lora (else rank 0: off)
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -104,7 +107,11 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
     model_dir = build_checkpoint(Path(tempfile.mkdtemp()) / request.param, arch, tied, **sizes)
     cfg = Config.model_validate(
         {
-            "model": {"path": str(model_dir), "frozen": frozen},
+            "model": {
+                "path": str(model_dir),
+                "frozen": frozen,
+                "lora": {"rank": LORA_RANK.get(request.param, 0)},
+            },
             "rollout": {
                 "engine": engine,
                 "num_workers": replicas,
@@ -193,6 +200,11 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     else:
         assert sent == plan.total_bytes
     names = {spec.name for spec in plan.tensors}
+    if setup.cfg.model.lora.enabled:  # the adapters only: A and B of each targeted linear
+        layers, targets = 2, len(setup.cfg.model.lora.target_modules)  # build_checkpoint: 2 layers
+        assert len(names) == layers * targets * 2
+        assert all(".lora_A.default.weight" in n or ".lora_B.default.weight" in n for n in names)
+        return
     tied = SETUPS[setup.name][1]
     assert ("lm_head.weight" in names) != tied  # a tied one travels once, as the embedding
     if setup.cfg.model.frozen:
