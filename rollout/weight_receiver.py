@@ -111,12 +111,36 @@ def weight_layers(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tup
     return layer_of, aliases
 
 
+def adapter_names(version: int) -> dict[str, object]:
+    """The vLLM `LoRARequest` fields of policy `version`'s adapter: its id (>= 1) and name,
+    and an absolute path that holds nothing (an adapter that was not loaded from tensors
+    fails there at once, instead of vLLM looking its name up on a model hub)."""
+    return {
+        "lora_name": f"tandem-policy-v{version}",
+        "lora_int_id": version + 1,
+        "lora_path": f"/tandem-in-memory/policy-v{version}",
+    }
+
+
+def peft_keys(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's adapter tensors (peft parameter names, adapter "default") under the keys
+    PEFT saves them with, which vLLM's LoRA loader reads."""
+    keys = {}
+    for name, tensor in named.items():
+        key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        assert key != name, f"not an adapter tensor: {name}"
+        keys[key] = tensor
+    return keys
+
+
 @dataclass
 class _Channel:
     plan: WeightSyncPlan
     tp_rank: int
     channel: Channel
     assembler: WeightAssembler
+    lora: dict | None = None  # LoRA: the adapter's PEFT settings; only adapters travel
+    adapter: dict[str, torch.Tensor] | None = None  # LoRA: this update's tensors so far
     updating: bool = False  # between bucket 0 and finish
     base_rss: int = 0  # resident bytes when the current update began
     load_s: float = 0.0  # seconds in vLLM's loading and processing this update
@@ -133,10 +157,12 @@ class WeightReceiver:
     """
 
     def tandem_open_receiver(
-        self, plan_json: str, channel_spec: ChannelSpec, first_member: int
+        self, plan_json: str, channel_spec: ChannelSpec, first_member: int, lora: dict | None
     ) -> None:
         """Join the weight-sync channel `channel_spec` for the transfer plan `plan_json`; this
-        engine's TP ranks are members first_member + tp_rank."""
+        engine's TP ranks are members first_member + tp_rank. With `lora` (PEFT adapter
+        settings) an update is an adapter: its tensors, whole on every rank (vLLM slices
+        them), replace the served adapter at finish; the base is never touched."""
         from vllm.distributed import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -161,6 +187,7 @@ class WeightReceiver:
             tp_rank=tp_rank,
             channel=open_channel(plan, channel_spec, member=first_member + tp_rank),
             assembler=WeightAssembler(*weight_layers(self.model_runner.model)),
+            lora=lora,
             updating=previous is not None and previous.updating,
         )
 
@@ -173,6 +200,14 @@ class WeightReceiver:
         )
 
         channel, model = self._tandem_channel, self.model_runner.model
+        if channel.lora is not None:
+            if bucket == 0:
+                channel.base_rss, channel.adapter = rss_bytes(), {}
+                reset_peak_rss()
+            # Copies: vLLM scales an adapter's B in place, and the slot is rewritten soon.
+            channel.adapter |= {name: t.clone() for name, t in channel.channel.read(bucket)}
+            channel.updating = True
+            return channel.plan.bucket_bytes_to_rank(bucket, channel.tp_rank)
         if bucket == 0:
             channel.base_rss = rss_bytes()
             reset_peak_rss()
@@ -191,12 +226,21 @@ class WeightReceiver:
         self._tandem_load(ready)
         return channel.plan.bucket_bytes_to_rank(bucket, channel.tp_rank)
 
-    def tandem_finish_sync(self) -> dict[str, float]:
-        """Load what was held back and finish the reload. Returns the update's peak extra
-        resident bytes and the seconds spent in vLLM's loading and processing."""
+    def tandem_finish_sync(self, version: int) -> dict[str, float]:
+        """Load what was held back and finish the reload (LoRA: serve the received adapter as
+        `version`'s). Returns the update's peak extra resident bytes and the seconds spent in
+        vLLM's loading and processing."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         channel = self._tandem_channel
+        if channel.lora is not None:
+            start = time.perf_counter()
+            self._tandem_swap_adapter(version)
+            channel.updating, channel.adapter = False, None
+            return {
+                "peak_extra_bytes": float(max(peak_rss_bytes() - channel.base_rss, 0)),
+                "load_s": time.perf_counter() - start,
+            }
         self._tandem_load(channel.assembler.drain())
         start = time.perf_counter()
         with self._tandem_context():
@@ -211,6 +255,38 @@ class WeightReceiver:
             "peak_extra_bytes": float(max(peak_rss_bytes() - channel.base_rss, 0)),
             "load_s": channel.load_s,
         }
+
+    def _tandem_swap_adapter(self, version: int) -> None:
+        """Replace the served adapter by this update's, as vLLM's LoRA manager loads one from
+        a PEFT directory (`WorkerLoRAManager._load_adapter`, `add_adapter`), from the tensors
+        received instead of files."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        channel, runner = self._tandem_channel, self.model_runner
+        manager = runner.lora_manager
+        helper = PEFTHelper.from_dict(dict(channel.lora))
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        tensors = peft_keys(channel.adapter)
+        adapter = LoRAModel.from_lora_tensors(
+            lora_model_id=adapter_names(version)["lora_int_id"],
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        # from_lora_tensors drops what it cannot place; nothing may be served as zeros.
+        loaded = 2 * len(adapter.loras)
+        if loaded != len(tensors):
+            raise ValueError(f"the adapter has {len(tensors)} tensors but vLLM placed {loaded}")
+        runner.reset_lora_state()  # the previous version's adapter goes
+        manager._adapter_manager.add_adapter(adapter)
+        manager._adapter_manager.activate_adapter(adapter.id)
 
     def _tandem_context(self) -> contextlib.AbstractContextManager:
         from vllm.config import set_current_vllm_config

@@ -173,15 +173,17 @@ class LoraConfig(Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def peft_dict(self) -> dict:
+        """The adapter's settings as PEFT's adapter_config.json holds them."""
+        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": self.target_modules}
+
     def peft_config(self) -> object:
         """The same adapters as peft's `LoraConfig`, which the trainer and the torch engine
         apply (`get_peft_model`). No dropout: the trainer runs in eval mode, so that its
         recomputed log-probs equal the engines' (peft's dropout would be off there anyway)."""
         from peft import LoraConfig as PeftLoraConfig
 
-        return PeftLoraConfig(
-            r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=self.target_modules
-        )
+        return PeftLoraConfig(**self.peft_dict(), lora_dropout=0.0)
 
 
 class ModelConfig(Section):

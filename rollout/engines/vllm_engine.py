@@ -22,6 +22,7 @@ from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.engines.contract import check_scorable, check_startable, decode_responses
 from rollout.engines.vllm_support import check_vllm
+from rollout.weight_receiver import adapter_names
 
 if TYPE_CHECKING:
     import vllm
@@ -47,7 +48,23 @@ def _configure_environment() -> int:
     return num_threads
 
 
-def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> dict:
+# The adapter ranks vLLM's engine can be built for (its LoRAConfig.max_lora_rank choices);
+# an adapter of any rank up to the one chosen is served.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(lora: LoraConfig | None) -> dict:
+    """vLLM's LoRA arguments for `lora`'s adapters: one adapter (the current policy version's)
+    at a time, built for the smallest rank vLLM allows that holds `lora.rank`."""
+    if lora is None or not lora.enabled:
+        return {}
+    rank = next(r for r in VLLM_LORA_RANKS if r >= lora.rank)  # checks cap lora.rank at 512
+    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": rank}
+
+
+def engine_args(
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig | None = None
+) -> dict:
     """The keyword arguments of the `vllm.LLM` that a VLLMEngine serves (bench/
     bare_components.py builds the bare engine from them too). Call after
     `_configure_environment`: importing vLLM before it would fix the wrong settings."""
@@ -82,6 +99,7 @@ def engine_args(model_path: str, cfg: RolloutConfig, dtype: str, seed: int) -> d
         # vLLM's sleep mode frees accelerator memory; on CPU there is nothing to hand over.
         enable_sleep_mode=not current_platform.is_cpu(),
         **memory,
+        **lora_args(lora),
     )
 
 
@@ -100,16 +118,16 @@ class VLLMEngine:
         seed: int,
         lora: LoraConfig | None = None,
     ) -> None:
-        if lora is not None and lora.enabled:
-            raise ValueError(
-                "model.lora: the vLLM engine does not serve adapters yet; set rollout.engine=torch"
-            )
         start = time.perf_counter()
         num_threads = _configure_environment()
         import vllm
 
         check_vllm(vllm)
-        args = engine_args(model_path, cfg, dtype, seed)
+        args = engine_args(model_path, cfg, dtype, seed, lora)
+        # With LoRA: the adapter's settings for the receivers, and the adapter every request
+        # runs with (none at version 0, whose adapters are zero: the base).
+        self._lora = lora.peft_dict() if lora is not None and lora.enabled else None
+        self._lora_request = None
         self._cfg = cfg
         self._can_sleep = args["enable_sleep_mode"]
         self._sleeping: set[str] = set()  # vLLM's memory tags released: "weights", "kv_cache"
@@ -154,6 +172,7 @@ class VLLMEngine:
                 request_id,
                 {"prompt_token_ids": first.prompt_ids + first.response_ids},
                 self._sampling_params(params, first, len(request)),
+                lora_request=self._lora_request,
             )
             for sample in request:
                 sample.finish_reason = ""
@@ -260,7 +279,10 @@ class VLLMEngine:
         # Prompt log-probs come from the raw logits, whatever the logprobs mode.
         params = self._vllm_sampling_params(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self._llm.generate(
-            [{"prompt_token_ids": seq} for seq in sequences], params, use_tqdm=False
+            [{"prompt_token_ids": seq} for seq in sequences],
+            params,
+            use_tqdm=False,
+            lora_request=self._lora_request,
         )
         return [
             [output.prompt_logprobs[t][seq[t]].logprob for t in range(start, len(seq))]
@@ -273,7 +295,7 @@ class VLLMEngine:
         """Join the weight-sync channel `channel_spec` (`rl.sync.transport.open_channel`) for
         the transfer plan `plan_json`; TP rank t is channel member first_member + t."""
         self._llm.collective_rpc(
-            "tandem_open_receiver", args=(plan_json, channel_spec, first_member)
+            "tandem_open_receiver", args=(plan_json, channel_spec, first_member, self._lora)
         )
 
     def apply_weight_bucket(self, bucket: int, version: int) -> int:
@@ -295,8 +317,12 @@ class VLLMEngine:
                 f"finish_weight_update({version}) without its buckets (updating to "
                 f"{self._updating_to})"
             )
-        ranks = self._llm.collective_rpc("tandem_finish_sync")
+        ranks = self._llm.collective_rpc("tandem_finish_sync", args=(version,))
         stats = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
+        if self._lora is not None:  # the receivers hold this version's adapter under its id
+            from vllm.lora.request import LoRARequest
+
+            self._lora_request = LoRARequest(**adapter_names(version))
         # KV blocks cached under the old weights would be reused for matching prefixes.
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache: requests still running")

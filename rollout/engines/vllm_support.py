@@ -52,6 +52,14 @@ VLLM_INTERNALS = (
     "model_executor.model_loader.reload.finalize_layerwise_reload",
     "model_executor.model_loader.reload.layerwise",  # its logger is quieted
     "v1.worker.worker_base.WorkerBase.model_runner",
+    # With LoRA, requests name the version's adapter, which the receiver builds from the
+    # synced tensors and swaps in through the model runner's LoRA manager.
+    "lora.request.LoRARequest",
+    "lora.lora_model.LoRAModel.from_lora_tensors",
+    "lora.peft_helper.PEFTHelper.from_dict",
+    "lora.peft_helper.PEFTHelper.validate_legal",
+    "lora.worker_manager.LRUCacheWorkerLoRAManager",
+    "v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.reset_lora_state",
     "v1.worker.worker_base.WorkerBase.vllm_config",
     # Its model runner: V1 on CPU (and on CUDA without Triton), V2 on CUDA.
     "v1.worker.gpu_model_runner.GPUModelRunner.model",

@@ -69,10 +69,16 @@ SETUPS = {
     "qwen2-tied-torch": ("qwen2", True, 1, 2, 0.02, [], {}, "auto", "torch"),
     # LoRA adapters (model.lora): only they travel, under the trainer's peft names.
     "qwen2-untied-torch-lora": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "torch"),
+    "qwen2-untied-tp1-lora": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "vllm"),
+    "qwen2-tied-tp2-lora": ("qwen2", True, 2, 1, 0.02, [], {}, "auto", "vllm"),
     "llama-untied-torch-gloo": ("llama", False, 1, 1, 0.02, [], {}, "distributed", "torch"),
 }
 COMPILED = {"qwen2-untied-tp1-compiled"}  # setups whose engines run rollout.compile=true
-LORA_RANK = {"qwen2-untied-torch-lora": 8}  # setups with model.lora (else rank 0: off)
+LORA_RANK = {
+    "qwen2-untied-torch-lora": 8,
+    "qwen2-untied-tp1-lora": 8,
+    "qwen2-tied-tp2-lora": 4,
+}  # setups with model.lora (else rank 0: off)
 SEQUENCES = torch.randint(4, 250, (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -192,6 +198,14 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     assert peak_mb >= metrics["weight_sync/rollout_peak_extra_mb"]
 
     plan = setup.sync.plan
+    if setup.cfg.model.lora.enabled:  # the adapters only: A and B of each targeted linear
+        names = {spec.name for spec in plan.tensors}
+        layers, targets = 2, len(setup.cfg.model.lora.target_modules)  # build_checkpoint: 2 layers
+        assert len(names) == layers * targets * 2
+        assert all(".lora_A.default.weight" in n or ".lora_B.default.weight" in n for n in names)
+        # Whole to every TP rank: vLLM slices an adapter itself.
+        assert metrics["weight_sync/mb_per_rollout_rank"] * (1 << 20) == plan.total_bytes
+        return
     assert metrics["weight_sync/buckets"] == len(plan.buckets) > 2
     sent = metrics["weight_sync/mb_per_rollout_rank"] * (1 << 20)
     assert sent == plan.bytes_to_rank(0)
@@ -200,11 +214,6 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     else:
         assert sent == plan.total_bytes
     names = {spec.name for spec in plan.tensors}
-    if setup.cfg.model.lora.enabled:  # the adapters only: A and B of each targeted linear
-        layers, targets = 2, len(setup.cfg.model.lora.target_modules)  # build_checkpoint: 2 layers
-        assert len(names) == layers * targets * 2
-        assert all(".lora_A.default.weight" in n or ".lora_B.default.weight" in n for n in names)
-        return
     tied = SETUPS[setup.name][1]
     assert ("lm_head.weight" in names) != tied  # a tied one travels once, as the embedding
     if setup.cfg.model.frozen:
