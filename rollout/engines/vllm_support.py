@@ -55,7 +55,9 @@ VLLM_INTERNALS = (
     # With LoRA, requests name the version's adapter, which the receiver builds from the
     # synced tensors and swaps in through the model runner's LoRA manager.
     "lora.request.LoRARequest",
+    "lora.lora_model.LoRAModel",
     "lora.lora_model.LoRAModel.from_lora_tensors",
+    "lora.peft_helper.PEFTHelper",
     "lora.peft_helper.PEFTHelper.from_dict",
     "lora.peft_helper.PEFTHelper.validate_legal",
     "lora.worker_manager.LRUCacheWorkerLoRAManager",
