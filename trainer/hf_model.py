@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -104,12 +104,14 @@ def save_hf_atomic(
     path: str | Path,
     state_dict: dict[str, torch.Tensor] | None = None,
     extra_files: dict[str, str] | None = None,
+    write_more: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write config, safetensors, tokenizer and generation config to `path` atomically.
 
     Written into a sibling temporary directory and renamed, so a crash never leaves a
     half-written checkpoint at `path`; an existing `path` is replaced only once complete.
-    `extra_files` maps file names to text written alongside (e.g. build metadata).
+    `extra_files` maps file names to text written alongside (e.g. build metadata);
+    `write_more(directory)` writes anything else into it before the rename.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +122,8 @@ def save_hf_atomic(
         tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        if write_more is not None:
+            write_more(tmp)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -131,3 +135,29 @@ def save_hf_atomic(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+ADAPTER_DIR = "adapter"  # where an exported LoRA policy keeps its adapters alone
+
+
+def save_lora_hf_atomic(
+    peft_model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path
+) -> Path:
+    """A LoRA policy (a peft model on CPU holding the trained adapters; merged here, so it is
+    spent) as an HF model at `path`, atomically: the base with the adapters merged in, which
+    transformers, vLLM and `rl eval` load like any model, and under path/adapter the adapters
+    alone in PEFT's format, for `PeftModel.from_pretrained(base, path / "adapter")` or a
+    vLLM `LoRARequest` over the base."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    adapter = {k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    adapter_config = peft_model.peft_config["default"]
+    merged = peft_model.merge_and_unload()
+
+    def write_adapter(directory: Path) -> None:
+        (directory / ADAPTER_DIR).mkdir()
+        save_file(adapter, directory / ADAPTER_DIR / "adapter_model.safetensors")
+        adapter_config.save_pretrained(directory / ADAPTER_DIR)
+
+    return save_hf_atomic(merged, tokenizer, path, write_more=write_adapter)

@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.config import Config
 from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan
 from rl.sync.transport import ChannelSpec
 from rl.types import Batch, PolicyObjective
-from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard
-from trainer.hf_model import save_hf_atomic
+from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard, with_lora
+from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
 from trainer.ranks import (
@@ -265,7 +265,9 @@ class PolicyTrainer(RoleRank):
         return self.sender.write(bucket, replicas)
 
     def export_hf(self, out_dir: str) -> None:
-        """Write the policy as an HF checkpoint (safetensors, config, tokenizer) to `out_dir`.
+        """Write the policy as an HF checkpoint (safetensors, config, tokenizer) to `out_dir`;
+        with LoRA, the base with the adapters merged in and the adapters alone
+        (`save_lora_hf_atomic`).
 
         Collective: the full state dict is gathered to rank 0's CPU; rank 0 writes atomically.
         """
@@ -274,7 +276,15 @@ class PolicyTrainer(RoleRank):
         state = get_model_state_dict(self.policy.model, options=options)
         if self.rank == 0:
             tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
-            save_hf_atomic(self.policy.model, tokenizer, out_dir, state_dict=state)
+            if self.cfg.model.lora.enabled:  # merged, and the adapters alone beside
+                base = AutoModelForCausalLM.from_pretrained(
+                    self.cfg.model.path, dtype=torch.float32
+                )
+                peft_model = with_lora(base, self.cfg.model.lora, seed=0)
+                peft_model.load_state_dict(state, strict=True)
+                save_lora_hf_atomic(peft_model, tokenizer, out_dir)
+            else:
+                save_hf_atomic(self.policy.model, tokenizer, out_dir, state_dict=state)
         dist.barrier()
 
     def _trained(self) -> nn.Module:

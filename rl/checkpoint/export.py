@@ -54,9 +54,15 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     saved = _saved_shapes(policy)
     _check_out_dir(out_dir, checkpoint, Path(cfg.model.path))
     model, tokenizer = _model_from_files(checkpoint / MODEL_FILES_DIR)
-    _load_policy(model, policy, saved)
-    from trainer.hf_model import save_hf_atomic
+    from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 
+    if cfg.model.lora.enabled:  # the checkpoint holds the peft model's tensors
+        from trainer.fsdp import with_lora
+
+        model = with_lora(model, cfg.model.lora, seed=0)
+        _load_policy(model, policy, saved)
+        return save_lora_hf_atomic(model, tokenizer, out_dir)
+    _load_policy(model, policy, saved)
     return save_hf_atomic(model, tokenizer, out_dir)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from rl.algorithms.objective import Objective, loss_weights, policy_objective
@@ -43,6 +43,7 @@ def _rank_main(rank: int, cfg: Config, port: int, batch: Batch, out: Path) -> No
     result["params"] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     result["logprobs_after"] = trainer.compute_logprobs(batch)
     result["ref_after"] = trainer.compute_logprobs(batch, "reference")
+    trainer.export_hf(str(out / "hf"))
     torch.save(result, out / f"rank{rank}.pt")
     trainer.close()
 
@@ -104,3 +105,15 @@ def test_a_lora_step_on_two_ranks_trains_the_adapters_only_and_equals_one_proces
         torch.testing.assert_close(result["logprobs_after"], stepped, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(result["ref_after"], base_logprobs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(stepped, base_logprobs, atol=1e-4)  # the step did something
+
+    # The export: the base with the adapters merged in, a plain HF model; and the adapters
+    # alone in PEFT's format, over a fresh copy of the base.
+    exported = tmp_path / "hf"
+    merged = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(fresh, exported / "adapter").eval()
+    with torch.no_grad():
+        for model in (merged, adapted):
+            got = hf_logprobs(model, batch)[0] * batch.attention_mask[:, 1:]
+            torch.testing.assert_close(got, stepped, rtol=1e-5, atol=1e-5)
