@@ -150,10 +150,24 @@ def check_compatible(cfg: Config, path: Path) -> None:
         check_base(path, model_dir)
 
 
+def _base_names(saved: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A LoRA run's checkpoint (peft's names: base_model.model. before the model's own, the
+    adapted linears' weights under .base_layer) as the base's tensors it holds, its adapters
+    left out; a full fine-tune's as it is."""
+    prefix = "base_model.model."
+    if not any(name.startswith(prefix) for name in saved):
+        return saved
+    return {
+        name.removeprefix(prefix).replace(".base_layer.", "."): shape
+        for name, shape in saved.items()
+        if ".lora_A." not in name and ".lora_B." not in name
+    }
+
+
 def _check_shapes(shapes_file: Path, model_dir: Path) -> None:
     """Every tensor the checkpoint and model.path both hold has one shape (a tied lm_head
     may be absent from either)."""
-    saved = json.loads(shapes_file.read_text())
+    saved = _base_names(json.loads(shapes_file.read_text()))
     base = checkpoint_tensor_shapes(model_dir)
     for name, shape in saved.items():
         if name in base and base[name] != shape:

@@ -1,0 +1,74 @@
+"""A LoRA GRPO run through the whole stack (real Ray, vLLM on CPU, a 2-rank FSDP2 trainer):
+only the adapters travel at each sync, the run checkpoints and exports them, and a resume
+from a checkpoint generates and scores the next step exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from rl.checkpoint.resume import find_resume_point
+from rl.config import Config
+from rl.observe.metrics import is_measurement
+from rl.run.driver import train
+from tests.helpers.tiny_runs import tiny_run_tree
+
+pytestmark = pytest.mark.integration
+
+RANK = 8
+
+
+def _records(cfg: Config) -> list[dict]:
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(tmp_path: Path) -> None:
+    tree = tiny_run_tree(
+        tmp_path / "shared",
+        tmp_path / "runs",
+        "lora",
+        model={"lora": {"rank": RANK}},
+        run={"num_steps": 3},
+        checkpoint={"every": 2},
+    )
+    cfg = Config.model_validate(tree)
+    train(cfg)
+    records = _records(cfg)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+
+    # What a sync sends, by hand: A [r, in] and B [out, r] of every targeted linear, in fp32.
+    with safe_open(Path(cfg.model.path) / "model.safetensors", framework="pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    targets = cfg.model.lora.target_modules
+    adapter = sum(
+        RANK * (shape[1] + shape[0])
+        for name, shape in shapes.items()
+        if ".layers." in name and name.split(".")[-2] in targets and name.endswith(".weight")
+    )
+    for record in records[1:]:
+        assert record["weight_sync/mb_per_rollout_rank"] * (1 << 20) == 4 * adapter
+
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    assert (run_dir / "hf" / "model.safetensors").is_file()
+    assert (run_dir / "hf" / "adapter" / "adapter_config.json").is_file()
+
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    train(cfg, resume_from=find_resume_point(cfg, str(checkpoint)))
+    resumed = _records(cfg)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    first, again = (
+        {k: v for k, v in r.items() if not is_measurement(k)} for r in (records[3], resumed[3])
+    )
+    # The same samples and rewards bit for bit; the trainer's reductions to fp32 roundoff
+    # (as tests/integration/rl/run/test_rollout_fault.py, left to issue 33).
+    trainer_side = {k for k in first if k.startswith("actor/")}
+    assert first.keys() == again.keys()
+    assert {k: first[k] for k in first.keys() - trainer_side} == {
+        k: again[k] for k in again.keys() - trainer_side
+    }
+    for key in trainer_side:
+        assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-8), key
