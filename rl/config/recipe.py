@@ -210,13 +210,15 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             cfg.model.frozen_names(list(shapes))
         except ValueError as exc:
             raise ConfigError(f"{path}: {exc}") from None
-    linear = _linear_modules(shapes)
-    missing = [m for m in cfg.model.lora.target_modules if m not in linear]
-    if cfg.model.lora.enabled and missing:
-        raise ConfigError(
-            f"{path}: model.lora.target_modules: {', '.join(map(repr, missing))} is not a linear "
-            f"module of {cfg.model.path}; its layers' linear modules are {', '.join(sorted(linear))}"
-        )
+    if cfg.model.lora.enabled:
+        linear = _linear_modules(shapes)
+        missing = [m for m in cfg.model.lora.target_modules if m not in linear]
+        if missing:
+            raise ConfigError(
+                f"{path}: model.lora.target_modules: {', '.join(map(repr, missing))} is not a "
+                f"linear module of {cfg.model.path}; its layers' linear modules are "
+                f"{', '.join(sorted(linear))}"
+            )
 
 
 # The files a Hugging Face tokenizer is made from: any one of these sets.

@@ -14,7 +14,7 @@ from rl.config import LoraConfig, RolloutConfig
 from rl.config.registry import Registry
 from rollout.engines.contract import RolloutEngine
 
-EngineFactory = Callable[[str, RolloutConfig, str, int, LoraConfig], RolloutEngine]
+EngineFactory = Callable[[str, RolloutConfig, str, int, LoraConfig | None], RolloutEngine]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ ENGINES: Registry[EngineFactory, EngineTraits] = Registry("rollout engine", Engi
 
 @ENGINES.register("vllm", tensor_parallel=True, compiles=True)
 def _vllm(
-    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig | None
 ) -> RolloutEngine:
     from rollout.engines.vllm_engine import VLLMEngine
 
@@ -37,7 +37,7 @@ def _vllm(
 
 @ENGINES.register("torch")
 def _torch(
-    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig
+    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig | None
 ) -> RolloutEngine:
     from rollout.engines.torch_engine import TorchEngine
 
@@ -49,4 +49,4 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine `cfg.engine` names, serving the checkpoint at `model_path` (version 0), with
     `lora`'s adapters on it when enabled (their B zero until a weight sync: the base)."""
-    return ENGINES.get(cfg.engine)(model_path, cfg, dtype, seed, lora or LoraConfig())
+    return ENGINES.get(cfg.engine)(model_path, cfg, dtype, seed, lora)
