@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from rl.checkpoint.resume import find_resume_point
 from rl.config import Config
-from rl.observe.metrics import is_measurement
 from rl.run.driver import train
+from tests.helpers.resumed_steps import assert_same_step
 from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.integration
@@ -60,15 +60,4 @@ def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(tmp_pat
     train(cfg, resume_from=find_resume_point(cfg, str(checkpoint)))
     resumed = _records(cfg)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    first, again = (
-        {k: v for k, v in r.items() if not is_measurement(k)} for r in (records[3], resumed[3])
-    )
-    # The same samples and rewards bit for bit; the trainer's reductions to fp32 roundoff
-    # (as tests/integration/rl/run/test_rollout_fault.py, left to issue 33).
-    trainer_side = {k for k in first if k.startswith("actor/")}
-    assert first.keys() == again.keys()
-    assert {k: first[k] for k in first.keys() - trainer_side} == {
-        k: again[k] for k in again.keys() - trainer_side
-    }
-    for key in trainer_side:
-        assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-8), key
+    assert_same_step(records[3], resumed[3])

@@ -20,10 +20,10 @@ import ray
 from rl.checkpoint.resume import find_resume_point
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.config import Config
-from rl.observe.metrics import is_measurement
 from rl.run.driver import train
 from rl.types import Sample, SamplingParams
 from tests.helpers.processes import child_pids
+from tests.helpers.resumed_steps import assert_same_step
 from tests.helpers.tiny_runs import tiny_run_tree
 from tests.helpers.waiting import wait_until
 
@@ -143,19 +143,7 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
     train(cfg, resume_from=find_resume_point(cfg, str(checkpoint)))
     resumed = _records(cfg)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    # The same episodes, rewards and sampling statistics, bit for bit. The trainer's own
-    # reductions (actor/*) may round differently in the last bits of fp32 between a run and a
-    # resume in one process (left to issue 33, exact resume); they agree to roundoff.
-    first, again = (
-        {k: v for k, v in r.items() if not is_measurement(k)} for r in (records[3], resumed[3])
-    )
-    assert first.keys() == again.keys()
-    trainer_side = {k for k in first if k.startswith("actor/")}
-    assert {k: first[k] for k in first.keys() - trainer_side} == {
-        k: again[k] for k in again.keys() - trainer_side
-    }
-    for key in trainer_side:
-        assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-8), key
+    assert_same_step(records[3], resumed[3])
 
 
 def _sandbox(process: psutil.Process) -> str | None:
