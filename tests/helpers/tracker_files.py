@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 _BLOCK = 32768  # wandb's run file: LevelDB-style records in 32 KiB blocks after a header
@@ -31,15 +32,34 @@ def _wandb_records(path: Path) -> list[bytes]:
     return records
 
 
-def wandb_history(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The logged history of the one offline wandb run under `run_dir`/wandb."""
+def _wandb_run_records(run_file: Path, timeout_s: float = 60.0) -> list:
+    """The records of a finished run's file. wandb's service writes the file after
+    `run.finish()` returns and may not have flushed it yet: the file is whole once its
+    last record is the run's exit record."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        try:
+            for raw in _wandb_records(run_file):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(raw)
+                records.append(record)
+        except DecodeError:  # a record cut where the flushed part ends
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def wandb_history(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The logged history of the one offline wandb run under `run_dir`/wandb."""
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     history: dict[int, dict[str, float]] = {}
-    for raw in _wandb_records(run_file):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in _wandb_run_records(run_file):
         if record.WhichOneof("record_type") != "history":
             continue
         # A key arrives as `key` or as the parts of `nested_key`, by wandb version.
