@@ -1,5 +1,5 @@
 """`rl` command line: `rl train RECIPE [key=value ...] [--resume auto|PATH] [--address A]`,
-`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR`, `rl report RUN_DIR`,
+`rl build-base RECIPE [key=value ...]`, `rl export CHECKPOINT --to DIR [--merge]`, `rl report RUN_DIR`,
 `rl eval MODEL --data FILE [--k K]`, `rl generate MODEL PROMPT [--n N]`."""
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoint", help="a checkpoint directory, e.g. runs/NAME/checkpoints/step_000100"
     )
     export.add_argument("--to", required=True, help="output directory (replaced atomically)")
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the base with the adapters merged in (default: the adapters alone, "
+        "in PEFT's format)",
+    )
     report = commands.add_parser("report", help="plot a run and write a Markdown summary")
     report.add_argument("run_dir", help="a run's directory, e.g. runs/grpo-addition")
     report.add_argument("--out", help="where the PNGs and summary.md go (default RUN_DIR/report)")
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += [f"run.log_format={args.log_format}"] if args.log_format else []
         args.overrides += ["run.verbose=true"] if args.verbose else []
     if args.command == "export":
-        return _export(args.checkpoint, args.to)
+        return _export(args.checkpoint, args.to, args.merge)
     if args.command == "report":
         return _report(args.run_dir, args.out)
     if args.command in ("eval", "generate"):
@@ -169,15 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _export(checkpoint: str, out_dir: str) -> int:
+def _export(checkpoint: str, out_dir: str, merge: bool) -> int:
     from rl.checkpoint.export import export_checkpoint
 
     try:
-        path = export_checkpoint(Path(checkpoint), Path(out_dir))
+        path = export_checkpoint(Path(checkpoint), Path(out_dir), merge)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"HF model written to {path}")
+    what = "HF model" if (path / "config.json").is_file() else "LoRA adapters (PEFT format)"
+    print(f"{what} written to {path}")
     return 0
 
 

@@ -1,4 +1,5 @@
 """One FSDP2 role's training state on disk: sharded model and optimizer, schedule, RNG.
+Only trained parameters are written: a LoRA run's checkpoint holds its adapters, not the base.
 
 Tensors go through `torch.distributed.checkpoint` (each rank writes its own shards; a resume
 may use another number of ranks). Nothing else is pickled: the schedule and RNG states are
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -129,11 +131,18 @@ def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
     dcp.load(state, storage_reader=reader, no_dist=no_dist)
 
 
+# Frozen parameters (a LoRA run's base, model.frozen) never change: model.path holds them,
+# and a resume checks that its weights are the ones the run started from (base_weights.py).
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+_LOAD_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Model and optimizer tensors by FQN; the optimizer's hyperparameters stay out (they
-    come from the config, and DCP would pickle them)."""
+    """Trained model tensors and their optimizer state by FQN; frozen parameters and the
+    optimizer's hyperparameters stay out (they come from model.path and the config, and DCP
+    would pickle the hyperparameters)."""
     return {
-        "model": get_model_state_dict(model),
+        "model": get_model_state_dict(model, options=_TRAINED_ONLY),
         "optim": get_optimizer_state_dict(model, optimizer)["state"],
     }
 
@@ -191,7 +200,7 @@ def load_training_state(
             "the model.path the run started from"
         )
     load_shards(state, directory)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_LOAD_TRAINED_ONLY)
     param_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     set_optimizer_state_dict(
         model, optimizer, {"state": state["optim"], "param_groups": param_groups}

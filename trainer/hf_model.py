@@ -98,32 +98,16 @@ def new_qwen2(
     return Qwen2ForCausalLM(config)
 
 
-def save_hf_atomic(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerFast,
-    path: str | Path,
-    state_dict: dict[str, torch.Tensor] | None = None,
-    extra_files: dict[str, str] | None = None,
-    write_more: Callable[[Path], None] | None = None,
-) -> Path:
-    """Write config, safetensors, tokenizer and generation config to `path` atomically.
-
-    Written into a sibling temporary directory and renamed, so a crash never leaves a
-    half-written checkpoint at `path`; an existing `path` is replaced only once complete.
-    `extra_files` maps file names to text written alongside (e.g. build metadata);
-    `write_more(directory)` writes anything else into it before the rename.
-    """
+def write_dir_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(directory)` into a sibling temporary directory, renamed to `path` once complete:
+    a crash never leaves a half-written directory at `path`, and an existing `path` is
+    replaced only then."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if write_more is not None:
-            write_more(tmp)
+        write(tmp)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -137,7 +121,43 @@ def save_hf_atomic(
     return path
 
 
+def save_hf_atomic(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    path: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    extra_files: dict[str, str] | None = None,
+    write_more: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write config, safetensors, tokenizer and generation config to `path` atomically
+    (`write_dir_atomic`). `extra_files` maps file names to text written alongside (e.g. build
+    metadata); `write_more(directory)` writes anything else into it."""
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        for name, text in (extra_files or {}).items():
+            (directory / name).write_text(text)
+        if write_more is not None:
+            write_more(directory)
+
+    return write_dir_atomic(path, write)
+
+
 ADAPTER_DIR = "adapter"  # where an exported LoRA policy keeps its adapters alone
+
+
+def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], config: object) -> None:
+    """LoRA adapters in PEFT's format into `directory`: adapter_model.safetensors (peft's
+    names, as `get_peft_model_state_dict` gives them) and `config` (peft's LoraConfig,
+    naming the base in base_model_name_or_path) as adapter_config.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors"
+    )
+    config.save_pretrained(directory)
 
 
 def save_lora_hf_atomic(
@@ -149,15 +169,15 @@ def save_lora_hf_atomic(
     alone in PEFT's format, for `PeftModel.from_pretrained(base, path / "adapter")` or a
     vLLM `LoRARequest` over the base."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
-    adapter = {k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    adapter = get_peft_model_state_dict(peft_model)
     adapter_config = peft_model.peft_config["default"]
     merged = peft_model.merge_and_unload()
-
-    def write_adapter(directory: Path) -> None:
-        (directory / ADAPTER_DIR).mkdir()
-        save_file(adapter, directory / ADAPTER_DIR / "adapter_model.safetensors")
-        adapter_config.save_pretrained(directory / ADAPTER_DIR)
-
-    return save_hf_atomic(merged, tokenizer, path, write_more=write_adapter)
+    return save_hf_atomic(
+        merged,
+        tokenizer,
+        path,
+        write_more=lambda directory: write_adapter(
+            directory / ADAPTER_DIR, adapter, adapter_config
+        ),
+    )

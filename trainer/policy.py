@@ -250,6 +250,15 @@ class PolicyTrainer(RoleRank):
         model = self.policy.model
         return trained_tensors(model), attention_shape(model.config)
 
+    def num_model_params(self) -> int:
+        """Parameters of the policy as a plain HF model: LoRA adapters left out, tied ones
+        once (what a sync of the whole model would send)."""
+        return sum(
+            p.numel()
+            for name, p in self.policy.model.named_parameters()
+            if ".lora_A." not in name and ".lora_B." not in name
+        )
+
     def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: ChannelSpec) -> None:
         """Join the weight-sync channel `channel_spec` for `plan`."""
         self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)

@@ -85,6 +85,9 @@ class TrainWorker(RankWorker):
     def weight_sync_spec(self) -> tuple[list[TensorSpec], AttentionShape]:
         return self.trainer.weight_sync_spec()
 
+    def num_model_params(self) -> int:
+        return self.trainer.num_model_params()
+
     def open_weight_sender(self, plan_json: str, channel_spec: ChannelSpec) -> None:
         self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
 

@@ -144,39 +144,50 @@ def check_compatible(cfg: Config, path: Path) -> None:
             f"{cfg.run.num_steps}; raise run.num_steps to continue training"
         )
     model_dir = Path(cfg.model.path)
-    _check_shapes(path / "policy" / "shapes.json", model_dir)
+    trains_all = not (cfg.model.lora.enabled or cfg.model.frozen)
+    _check_shapes(path / "policy" / "shapes.json", model_dir, trains_all)
     # A missing base is built by the driver (base.build_if_missing), which checks it then.
     if model_dir.is_dir():
         check_base(path, model_dir)
 
 
-def _base_names(saved: dict[str, list[int]]) -> dict[str, list[int]]:
-    """A LoRA run's checkpoint (peft's names: base_model.model. before the model's own, the
-    adapted linears' weights under .base_layer) as the base's tensors it holds, its adapters
-    left out; a full fine-tune's as it is."""
-    prefix = "base_model.model."
-    if not any(name.startswith(prefix) for name in saved):
-        return saved
-    return {
-        name.removeprefix(prefix).replace(".base_layer.", "."): shape
-        for name, shape in saved.items()
-        if ".lora_A." not in name and ".lora_B." not in name
-    }
+_PEFT_PREFIX = "base_model.model."  # before the model's own names in a LoRA run's checkpoint
 
 
-def _check_shapes(shapes_file: Path, model_dir: Path) -> None:
-    """Every tensor the checkpoint and model.path both hold has one shape (a tied lm_head
-    may be absent from either)."""
-    saved = _base_names(json.loads(shapes_file.read_text()))
+def _base_tensor(name: str, shape: list[int]) -> tuple[str, list[int | None]]:
+    """The base tensor a checkpoint tensor trains, and the shape that fixes for it (None: a
+    size it leaves open): a full fine-tune's tensor itself; a LoRA adapter's (peft's names) the
+    weight of the linear it adapts, whose columns A [r, in] fixes and whose rows B [out, r]."""
+    name = name.removeprefix(_PEFT_PREFIX)
+    if ".lora_A.default." in name:
+        return name.replace(".lora_A.default.", "."), [None, shape[1]]
+    if ".lora_B.default." in name:
+        return name.replace(".lora_B.default.", "."), [shape[0], None]
+    return name, list(shape)
+
+
+def _check_shapes(shapes_file: Path, model_dir: Path, trains_all: bool) -> None:
+    """Every tensor the checkpoint trains fits model.path's (a tied lm_head may be absent
+    from either); a run that trains the whole model (`trains_all`) holds every one."""
+    saved = json.loads(shapes_file.read_text())
     base = checkpoint_tensor_shapes(model_dir)
-    for name, shape in saved.items():
-        if name in base and base[name] != shape:
+    trained = set()
+    for saved_name, saved_shape in saved.items():
+        name, shape = _base_tensor(saved_name, saved_shape)
+        trained.add(name)
+        if name not in base:
+            continue  # a tied lm_head stored once; an unknown tensor fails the load itself
+        have = base[name]
+        if len(shape) != len(have) or any(
+            want not in (None, size) for want, size in zip(shape, have, strict=True)
+        ):
             raise CheckpointError(
-                f"{shapes_file}: {name} has shape {shape} in the checkpoint but {base[name]} in "
-                f"model.path={model_dir}; the checkpoint belongs to another model"
+                f"{shapes_file}: {saved_name} has shape {saved_shape} in the checkpoint, which "
+                f"does not fit {name} {have} in model.path={model_dir}; the checkpoint "
+                "belongs to another model"
             )
-    missing = sorted(set(base) - set(saved))
-    if missing:
+    missing = sorted(set(base) - trained)
+    if trains_all and missing:
         raise CheckpointError(
             f"{shapes_file}: the checkpoint lacks {missing[0]} of model.path={model_dir}; "
             "the checkpoint belongs to another model"

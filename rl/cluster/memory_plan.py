@@ -2,8 +2,9 @@
 
 Pure arithmetic over the model's HF config and the recipe (nothing is loaded), in the terms
 users size runs by. A trainer rank holds its FSDP2 shard of the fp32 master parameters,
-gradients and AdamW's two moments (16 bytes a parameter over W ranks), the frozen reference's
-shard (4 bytes over W), the layers FSDP2 has gathered in the compute dtype (the root's
+gradients and AdamW's two moments (16 bytes a parameter over W ranks; with LoRA, 4 bytes a
+frozen base parameter and 16 an adapter parameter), the frozen reference's shard (4 bytes
+over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathered in the compute dtype (the root's
 embeddings and head, the current layer and the prefetched next), the activations a
 micro-batch saves for backward, and the fused log-prob kernel's workspace. A rollout worker
 holds its tensor-parallel slice of the weights and the KV cache. The figures leave out
@@ -102,6 +103,32 @@ class ModelShape:
     def num_params(self) -> int:
         return self.num_layers * self.num_layer_params + self.num_root_params
 
+    @property
+    def linear_sizes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a decoder layer's linear modules, by the names peft's
+        `target_modules` match."""
+        h, q_dim, i = self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size
+        return {
+            "q_proj": (h, q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def num_adapter_params(self, rank: int, target_modules: list[str]) -> int:
+        """LoRA adapters of `rank` on `target_modules` in every layer: A [r, in], B [out, r]."""
+        sizes = self.linear_sizes
+        unknown = sorted(set(target_modules) - set(sizes))
+        if unknown:
+            raise ValueError(
+                f"model.lora.target_modules names {unknown[0]!r}, which the memory estimate does "
+                f"not know; a Llama/Qwen2 decoder layer's linear modules are {sorted(sizes)}"
+            )
+        return self.num_layers * sum(rank * sum(sizes[name]) for name in set(target_modules))
+
     def activation_elements_per_token(self, checkpointed: bool) -> int:
         """Elements a token's forward saves for backward over the whole decoder. Per layer:
         the two norm inputs and outputs, q, k and v, the attention output, and the MLP's
@@ -138,21 +165,29 @@ def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> 
     num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(trainer.sharding, num_ranks)
     compute = _DTYPE_BYTES[cfg.model.dtype]
     n = shape.num_params
+    # LoRA trains the policy's adapters over its frozen base (the critic trains in full).
+    lora = cfg.model.lora if role == "trainer rank" and cfg.model.lora.enabled else None
+    adapters = shape.num_adapter_params(lora.rank, lora.target_modules) if lora else 0
+    trained = adapters or n
     # zero3 gathers a layer at a time (and prefetches the next); the others keep every layer
     # gathered from its forward until its backward.
     num_gathered = shape.num_root_params + 2 * shape.num_layer_params
     if trainer.sharding in ("zero2", "none"):
         num_gathered = n
     parts = {
-        "params": 4 * n / num_shards,
-        "grads": 4 * n / num_shards,
-        "optimizer": 8 * n / num_shards,
+        "params": 4 * (n + adapters) / num_shards,
+        "grads": 4 * trained / num_shards,
+        "optimizer": 8 * trained / num_shards,
         "gathered": compute * num_gathered,
     }
-    if role == "trainer rank" and cfg.algorithm.kl_coef > 0:
+    # With LoRA the reference is the base, the policy with its adapters off: no second copy.
+    if role == "trainer rank" and cfg.algorithm.kl_coef > 0 and lora is None:
         parts["reference"] = 4 * n / num_shards
     num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
     elements = shape.activation_elements_per_token(trainer.activation_checkpointing)
+    if lora:  # each adapter also saves its A's output, r a token, for B's backward
+        layers = 1 if trainer.activation_checkpointing else shape.num_layers
+        elements += layers * lora.rank * len(set(lora.target_modules))
     parts["activations"] = compute * num_tokens * elements
     if role == "trainer rank":
         rows = min(trainer.logprob_chunk_size, num_tokens)
@@ -260,6 +295,10 @@ def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
         device_bytes, on_gpu = psutil.virtual_memory().total, False
         devices = f"CPU, host memory {device_bytes / GIB:.1f} GiB"
     header = f"model: {shape.num_params / 1e9:.3f}B parameters; devices: {devices}"
+    lora = cfg.model.lora
+    if lora.enabled:
+        adapters = shape.num_adapter_params(lora.rank, lora.target_modules)
+        header += f"\nLoRA: {adapters / 1e6:.2f}M adapter parameters train (rank {lora.rank})"
     return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu)}"
 
 

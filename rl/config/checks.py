@@ -70,6 +70,13 @@ def _check_lora(cfg: Config, path: Path | str) -> None:
             f"{path}: model.frozen does not apply with LoRA (model.lora.rank > 0): the base is "
             "frozen whole and only the adapters train"
         )
+    critic = Path(cfg.critic.path) if cfg.critic.path else None
+    if critic is not None and critic.resolve() != Path(cfg.model.path).resolve():
+        raise ConfigError(
+            f"{path}: critic.path={cfg.critic.path} is another model than model.path="
+            f"{cfg.model.path}; with LoRA (model.lora.rank > 0) the critic starts from the "
+            "base the adapters train on: leave critic.path empty, or train without LoRA"
+        )
 
 
 def _check_agent(cfg: Config, path: Path | str) -> None:

@@ -57,10 +57,10 @@ def model_directory(model: Path) -> Iterator[Path]:
     """`model` as an HF directory: as is, or a run checkpoint exported for the duration."""
     check_model(model)
     if (model / MANIFEST).is_file():
-        from rl.checkpoint.export import export_checkpoint
+        from rl.checkpoint.export import export_model
 
         with tempfile.TemporaryDirectory(prefix="rl-eval-") as tmp:
-            yield export_checkpoint(model, Path(tmp) / "hf")
+            yield export_model(model, Path(tmp) / "hf")
         return
     yield model
 

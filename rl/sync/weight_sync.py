@@ -34,6 +34,8 @@ class WeightSync:
     def __init__(self, cfg: Config, trainers: PolicyRanks, rollout: RolloutReplicas) -> None:
         self._trainers, self._rollout = trainers.workers, rollout
         tensors, shape = ray.get(self._trainers[0].weight_sync_spec.remote())
+        # What a sync of the whole model moves, in fp32: with LoRA a sync sends far less.
+        self.full_model_bytes = 4 * ray.get(self._trainers[0].num_model_params.remote())
         self.plan: WeightSyncPlan = plan_weight_sync(
             tensors,
             shape,
@@ -141,7 +143,7 @@ class WeightSync:
             "weight_sync/trainer_write_s": write_s,
             "weight_sync/buckets": float(num_buckets),
             "weight_sync/mb_per_rollout_rank": num_bytes / _MB,
-            "weight_sync/mb_full_model": self.plan.total_bytes / _MB,
+            "weight_sync/mb_full_model": self.full_model_bytes / _MB,
             "weight_sync/trainer_peak_extra_mb": max(
                 (s["peak_extra_bytes"] for s in write_stats), default=0.0
             )

@@ -140,6 +140,15 @@ def test_dry_run_refuses_a_plan_too_big_for_the_devices_it_is_told_of(tmp_path: 
     assert fits.returncode == 0, fits.stderr
     assert "model: 7.616B parameters; devices: GPUs of 80 GiB" in fits.stdout
     assert "fits, a device shared by a trainer rank and vLLM" in fits.stdout
+    # With LoRA at rank 16 on all seven linears: 28 layers x 16 x (in + out of each) adapter
+    # parameters, trained (16 bytes each) over the frozen base (4 bytes each) on 8 ranks.
+    lora = run_cli(
+        "train", recipe, f"model.path={tmp_path}", "model.lora.rank=16", "--dry-run",
+        "--device-memory-gb", "80",
+    )  # fmt: skip
+    assert lora.returncode == 0, lora.stderr
+    assert "LoRA: 40.37M adapter parameters train (rank 16)" in lora.stdout
+    assert "trainer rank: params 3.57, grads 0.02, optimizer 0.04," in lora.stdout
     small = run_cli(
         "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "40"
     )

@@ -33,6 +33,7 @@ from trainer.policy import PolicyTrainer
 pytestmark = pytest.mark.integration
 
 STEP = 3
+LORA_RANK = 8
 MAX_NEW_TOKENS = 12
 EMBEDDING = "model.model.embed_tokens.weight"  # its DCP key in the policy shards
 
@@ -71,14 +72,21 @@ def _train_save_export(rank: int, jobs: list[tuple[Config, Path]], port: int) ->
 def runs(
     tiny_model_dir: Path, tiny_tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """ "untied"/"tied" -> a run directory holding checkpoints/step_000003 (committed, with
+    """ "untied"/"tied"/"lora" -> a run directory holding checkpoints/step_000003 (committed, with
     driver.json and the base's files, as `rl train` writes them) and live_hf (the trainer's
     export at the checkpoint's weights)."""
     jobs, commits, out = [], [], {}
-    for kind, model_dir in (("untied", tiny_model_dir), ("tied", tiny_tied_model_dir)):
+    for kind, model_dir, lora in (
+        ("untied", tiny_model_dir, {}),
+        ("tied", tiny_tied_model_dir, {}),
+        ("lora", tiny_model_dir, {"rank": LORA_RANK}),
+    ):
         run_dir = tmp_path_factory.mktemp(f"run-{kind}")
         cfg = Config.model_validate(
-            {"model": {"path": str(model_dir)}, "trainer": {"num_workers": 2, "lr": 1e-2}}
+            {
+                "model": {"path": str(model_dir), "lora": lora},
+                "trainer": {"num_workers": 2, "lr": 1e-2},
+            }
         )
         writer = CheckpointWriter(checkpoint_root(run_dir), keep_last=2)
         step_dir = writer.begin(STEP)
@@ -98,10 +106,10 @@ def _checkpoint(run: Path) -> Path:
     return checkpoint_root(run) / f"step_{STEP:06d}"
 
 
-def _export(checkpoint: Path, out_dir: Path) -> subprocess.CompletedProcess:
+def _export(checkpoint: Path, out_dir: Path, *flags: str) -> subprocess.CompletedProcess:
     """The real CLI, in a fresh process, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "rl.cli", "export", str(checkpoint), "--to", str(out_dir)],
+        [sys.executable, "-m", "rl.cli", "export", str(checkpoint), "--to", str(out_dir), *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -137,20 +145,23 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-# Greedy decoding of each model directory in turn, with rollout.engines.vllm_engine's CPU settings
-# (fp32, eager, a small KV cache).
+# Greedy decoding of each model directory in turn (with a LoRA adapter directory over it when
+# one is given), with rollout.engines.vllm_engine's CPU settings (fp32, eager, a small KV cache).
 _VLLM_SCRIPT = """
 import gc, json, sys
 import vllm
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 jobs, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 results = []
-for model_dir, prompts in jobs:
+for model_dir, prompts, adapter, rank in jobs:
+    lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": rank} if adapter else {}
     llm = vllm.LLM(model=model_dir, dtype="float32", max_model_len=128, enforce_eager=True,
-                   kv_cache_memory_bytes=64 << 20, seed=0, disable_log_stats=True)
+                   kv_cache_memory_bytes=64 << 20, seed=0, disable_log_stats=True, **lora)
+    request = LoRARequest("exported", 1, adapter) if adapter else None
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
+                        use_tqdm=False, lora_request=request)
     results.append([list(o.outputs[0].token_ids) for o in outs])
     del llm
     gc.collect()
@@ -158,13 +169,22 @@ print("RESULT " + json.dumps(results))
 """
 
 
-def _vllm_greedy(jobs: list[tuple[Path, list[list[int]]]]) -> list[list[list[int]]]:
-    """vLLM's greedy new token ids per (model dir, prompts), in one fresh process (vLLM
-    reads its settings from the environment at import)."""
+def _vllm_greedy(
+    jobs: list[tuple[Path, list[list[int]]]], adapters: list[Path | None] | None = None
+) -> list[list[list[int]]]:
+    """vLLM's greedy new token ids per (model dir, prompts), each model served with the
+    LoRA adapter directory of the same index in `adapters` where there is one, in one fresh
+    process (vLLM reads its settings from the environment at import)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
-    payload = json.dumps([[str(d), prompts] for d, prompts in jobs])
+    adapters = adapters or [None] * len(jobs)
+    payload = json.dumps(
+        [
+            [str(d), prompts, adapter and str(adapter), LORA_RANK]
+            for (d, prompts), adapter in zip(jobs, adapters, strict=True)
+        ]
+    )
     result = subprocess.run(
         [sys.executable, "-c", _VLLM_SCRIPT, payload, str(MAX_NEW_TOKENS)],
         capture_output=True,
@@ -203,7 +223,8 @@ def test_export_matches_the_trainers_own_export_in_transformers_and_vllm(
 ) -> None:
     bases = {"untied": tiny_model_dir, "tied": tiny_tied_model_dir}
     greedy, vllm_jobs = [], []
-    for kind, run in runs.items():
+    for kind in bases:
+        run = runs[kind]
         out_dir = tmp_path / kind
         result = _export(_checkpoint(run), out_dir)
         assert result.returncode == 0, result.stderr
@@ -221,6 +242,60 @@ def test_export_matches_the_trainers_own_export_in_transformers_and_vllm(
     # Not a degenerate comparison: the untied model's continuations vary.
     assert len({tuple(ids) for ids in greedy[0]}) == len(greedy[0])
     assert _vllm_greedy(vllm_jobs) == greedy
+
+
+def test_a_lora_checkpoint_exports_its_adapters_or_merged_and_both_load_in_transformers_and_vllm(
+    runs: dict[str, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    run = runs["lora"]
+    live = run / "live_hf"  # the trainer's own export: merged, and the adapters in adapter/
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    result = _export(_checkpoint(run), adapter_dir)
+    assert result.returncode == 0, result.stderr
+    assert f"LoRA adapters (PEFT format) written to {adapter_dir}" in result.stdout
+    assert not (adapter_dir / "config.json").exists()  # no model: peft and vLLM add the base
+    got = load_file(adapter_dir / "adapter_model.safetensors")
+    want = load_file(live / "adapter" / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == LORA_RANK
+    assert Path(config["base_model_name_or_path"]) == tiny_model_dir.resolve()
+
+    result = _export(_checkpoint(run), merged_dir, "--merge")
+    assert result.returncode == 0, result.stderr
+    assert f"HF model written to {merged_dir}" in result.stdout
+    _assert_same_weights(merged_dir, live, tiny_model_dir)
+
+    # transformers: the merged model, and peft's adapter over the base without merging.
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    prompts = _prompts(tokenizer)
+    merged = _hf_greedy(merged_dir, prompts)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter_dir
+    ).eval()
+    for prompt, want_ids in zip(prompts, merged, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = adapted.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+            )
+        assert out[0, len(prompt) :].tolist() == want_ids
+    # Not a degenerate comparison: the adapters change what the base says.
+    assert merged != _hf_greedy(tiny_model_dir, prompts)
+    # vLLM: the merged model as any model, the adapters as a LoRARequest over the base.
+    jobs = [(merged_dir, prompts), (tiny_model_dir, prompts)]
+    assert _vllm_greedy(jobs, [None, adapter_dir]) == [merged, merged]
+
+    # --merge is for LoRA runs only.
+    result = _export(_checkpoint(runs["untied"]), tmp_path / "full", "--merge")
+    assert result.returncode == 2
+    assert "is a checkpoint of a full fine-tune: export it without --merge" in result.stderr
 
 
 def _damaged_copy(run: Path, tmp_path: Path) -> Path:

@@ -1,10 +1,11 @@
 """A LoRA GRPO run through the whole stack (real Ray, vLLM on CPU, a 2-rank FSDP2 trainer):
-only the adapters travel at each sync, the run checkpoints and exports them, and a resume
-from a checkpoint generates and scores the next step exactly."""
+only the adapters travel at each sync, the run checkpoints them alone and exports them, and a
+resume from a checkpoint generates and scores the next step exactly."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,20 @@ def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(tmp_pat
         for name, shape in shapes.items()
         if ".layers." in name and name.split(".")[-2] in targets and name.endswith(".weight")
     )
+    full_model = sum(math.prod(shape) for shape in shapes.values())
     for record in records[1:]:
         assert record["weight_sync/mb_per_rollout_rank"] * (1 << 20) == 4 * adapter
+        assert record["weight_sync/mb_full_model"] * (1 << 20) == 4 * full_model
 
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     assert (run_dir / "hf" / "model.safetensors").is_file()
     assert (run_dir / "hf" / "adapter" / "adapter_config.json").is_file()
 
     checkpoint = run_dir / "checkpoints" / "step_000002"
+    # The checkpoint holds the adapters (and their optimizer state), not the frozen base.
+    held = json.loads((checkpoint / "policy" / "shapes.json").read_text())
+    assert len(held) == 2 * len(targets) * sum(name.endswith(".q_proj.weight") for name in shapes)
+    assert all(".lora_A." in name or ".lora_B." in name for name in held)
     train(cfg, resume_from=find_resume_point(cfg, str(checkpoint)))
     resumed = _records(cfg)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]

@@ -214,3 +214,31 @@ def test_a_checkpoint_without_the_base_record_is_resumed_with_a_warning(
     path = _checkpoint(cfg, 2)
     assert find_resume_point(cfg, str(path)) == path
     assert f"warning: {path} has no base_weights.json" in capsys.readouterr().err
+
+
+def test_a_lora_checkpoint_holds_adapters_only_and_each_must_fit_its_base_linear(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "model").mkdir()
+    # The base's proj is [out 4, in 2]: its A is [r, in], its B [out, r]; no base tensor is kept.
+    save_file({"proj.weight": torch.zeros(4, 2)}, tmp_path / "lora" / "model" / "model.safetensors")
+    cfg = _cfg(tmp_path / "lora")
+    cfg.model.lora.rank = 8
+    fits = {
+        "base_model.model.proj.lora_A.default.weight": [8, 2],
+        "base_model.model.proj.lora_B.default.weight": [4, 8],
+    }
+    path = _checkpoint(cfg, 3, shapes=fits)
+    assert find_resume_point(cfg, str(path)) == path
+    wrong_in = {**fits, "base_model.model.proj.lora_A.default.weight": [8, 3]}
+    other = _checkpoint(cfg, 5, shapes=wrong_in)
+    with pytest.raises(
+        CheckpointError, match=r"lora_A.default.weight has shape \[8, 3\] .* proj.weight \[4, 2\]"
+    ):
+        find_resume_point(cfg, str(other))
+    # A full fine-tune's checkpoint must hold every base tensor.
+    full = _cfg(tmp_path)
+    partial = _checkpoint(full, 7, shapes={"w": [4, 2]})
+    with pytest.raises(CheckpointError, match="the checkpoint lacks b of model.path"):
+        find_resume_point(full, str(partial))

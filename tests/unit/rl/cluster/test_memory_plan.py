@@ -191,3 +191,72 @@ def test_on_cpu_every_rank_shares_host_memory(tmp_path: Path) -> None:
     assert "host memory, shared by every rank" in report.splitlines()[-1]
     with pytest.raises(PlanDoesNotFit, match="host memory"):
         check_fits(cfg, shape, 4 * GIB, on_gpu=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "targets"),
+    [
+        (
+            Qwen2Config(
+                vocab_size=384,
+                hidden_size=64,
+                intermediate_size=160,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+        (
+            LlamaConfig(
+                vocab_size=256,
+                hidden_size=96,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=3,
+                num_key_value_heads=1,
+                head_dim=48,
+            ),
+            ["q_proj", "v_proj", "down_proj"],
+        ),
+    ],  # fmt: skip
+    ids=["qwen2-all-linears", "llama-head-dim-three"],
+)
+def test_lora_adapter_count_matches_the_adapters_peft_adds(
+    config, targets: list[str], tmp_path: Path
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+    trainable, _ = peft_model.get_nb_trainable_parameters()
+    assert ModelShape.read(tmp_path).num_adapter_params(8, targets) == trainable
+
+
+def test_lora_holds_the_frozen_base_once_and_trains_only_the_adapters(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    full = trainer_rank(_gpu_config(algorithm={"kl_coef": 0.01}), shape).parts
+    lora = trainer_rank(
+        _gpu_config(algorithm={"kl_coef": 0.01}, model={"lora": {"rank": 16}}), shape
+    ).parts
+    n = shape.num_params
+    adapters = shape.num_adapter_params(
+        16, Config.model_validate({"model": {"path": "m"}}).model.lora.target_modules
+    )
+    assert lora["params"] == 4 * (n + adapters) / 8
+    assert lora["grads"] == 4 * adapters / 8
+    assert lora["optimizer"] == 8 * adapters / 8
+    assert full["reference"] == 4 * n / 8 and "reference" not in lora  # the base is the reference
+    # The 7B plan a 32 GiB device cannot train in full fits with LoRA.
+    sizes = {"rollout": {"num_workers": 4, "tensor_parallel_size": 2}}
+    cfg = _gpu_config(trainer={"activation_checkpointing": True}, **sizes)
+    with pytest.raises(PlanDoesNotFit):
+        check_fits(cfg, shape, 32 * GIB, on_gpu=True)
+    cfg = _gpu_config(
+        trainer={"activation_checkpointing": True}, model={"lora": {"rank": 16}}, **sizes
+    )
+    assert check_fits(cfg, shape, 32 * GIB, on_gpu=True).splitlines()[-1].startswith("fits")
+    other = _gpu_config(model={"lora": {"rank": 16, "target_modules": ["qkv_proj"]}})
+    with pytest.raises(ValueError, match="names 'qkv_proj'.* linear modules are"):
+        trainer_rank(other, shape)

@@ -190,11 +190,22 @@ def test_no_eval_prompts_is_a_run_without_evaluation() -> None:
             ["model.lora.rank=8", "model.frozen=[model.embed_tokens.*]"],
             "model.frozen does not apply with LoRA",
         ),
+        (
+            ["model.lora.rank=8", "critic.path=/models/other-critic"],
+            r"critic.path=/models/other-critic is another model than model.path=.*; with LoRA",
+        ),
     ],
 )
 def test_lora_settings_that_cannot_train_are_refused(overrides: list[str], error: str) -> None:
     with pytest.raises(ConfigError, match=rf"grpo_addition_cpu.yaml: {error}"):
         load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+
+
+def test_a_lora_run_takes_a_critic_from_the_policys_base() -> None:
+    recipe = REPO / "recipes/ppo_addition_cpu.yaml"
+    cfg = load_config(recipe, ["model.lora.rank=8"])
+    same = load_config(recipe, ["model.lora.rank=8", f"critic.path={cfg.model.path}"])
+    assert same.critic.path == cfg.model.path
 
 
 def test_a_lora_target_the_model_lacks_is_named_with_the_models_linear_modules(
