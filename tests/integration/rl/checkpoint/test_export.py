@@ -72,19 +72,20 @@ def _train_save_export(rank: int, jobs: list[tuple[Config, Path]], port: int) ->
 def runs(
     tiny_model_dir: Path, tiny_tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """ "untied"/"tied"/"lora" -> a run directory holding checkpoints/step_000003 (committed, with
+    """ "untied"/"tied"/"lora"/"frozen" (model.frozen) -> a run directory holding checkpoints/step_000003 (committed, with
     driver.json and the base's files, as `rl train` writes them) and live_hf (the trainer's
     export at the checkpoint's weights)."""
     jobs, commits, out = [], [], {}
-    for kind, model_dir, lora in (
+    for kind, model_dir, model in (
         ("untied", tiny_model_dir, {}),
         ("tied", tiny_tied_model_dir, {}),
-        ("lora", tiny_model_dir, {"rank": LORA_RANK}),
+        ("lora", tiny_model_dir, {"lora": {"rank": LORA_RANK}}),
+        ("frozen", tiny_model_dir, {"frozen": ["model.embed_tokens.*"]}),
     ):
         run_dir = tmp_path_factory.mktemp(f"run-{kind}")
         cfg = Config.model_validate(
             {
-                "model": {"path": str(model_dir), "lora": lora},
+                "model": {"path": str(model_dir), **model},
                 "trainer": {"num_workers": 2, "lr": 1e-2},
             }
         )
@@ -296,6 +297,39 @@ def test_a_lora_checkpoint_exports_its_adapters_or_merged_and_both_load_in_trans
     result = _export(_checkpoint(runs["untied"]), tmp_path / "full", "--merge")
     assert result.returncode == 2
     assert "is a checkpoint of a full fine-tune: export it without --merge" in result.stderr
+
+
+def test_a_run_with_frozen_parameters_exports_them_from_its_base(
+    runs: dict[str, Path], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    checkpoint = _checkpoint(runs["frozen"])
+    held = json.loads((checkpoint / "policy" / "shapes.json").read_text())
+    assert "model.embed_tokens.weight" not in held and "lm_head.weight" in held
+    out_dir = export_checkpoint(checkpoint, tmp_path / "exported")
+    _assert_same_weights(out_dir, runs["frozen"] / "live_hf", tiny_model_dir)
+    embedding = "model.embed_tokens.weight"
+    base = load_file(tiny_model_dir / "model.safetensors")[embedding]
+    assert torch.equal(load_file(out_dir / "model.safetensors")[embedding], base)
+
+
+def test_a_lora_checkpoint_whose_base_is_gone_exports_its_adapters_but_refuses_to_merge(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    gone = tmp_path / "no-such-base"
+
+    def base_moved_away(step_dir: Path) -> None:
+        driver_state = json.loads((step_dir / "driver.json").read_text())
+        driver_state["config"]["model"]["path"] = str(gone)
+        (step_dir / "driver.json").write_text(json.dumps(driver_state))
+
+    checkpoint = _recommitted(runs["lora"], tmp_path, base_moved_away)
+    with pytest.raises(CheckpointError, match=rf"the rest is the base, model.path={gone}"):
+        export_checkpoint(checkpoint, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "merged").exists()
+    adapter_dir = export_checkpoint(checkpoint, tmp_path / "adapter")
+    want = load_file(runs["lora"] / "live_hf" / "adapter" / "adapter_model.safetensors")
+    got = load_file(adapter_dir / "adapter_model.safetensors")
+    assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 def _damaged_copy(run: Path, tmp_path: Path) -> Path:
