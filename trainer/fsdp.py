@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -213,6 +216,26 @@ def with_lora(model: PreTrainedModel, cfg: LoraConfig, seed: int) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return get_peft_model(model, cfg.peft_config())
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: nn.Module) -> Iterator[None]:
+    """LoRA's dropout on for a training forward and its backward: peft's `lora_dropout`
+    modules in training mode, the rest of the model left in eval mode (its log-probs must
+    equal the engines'). The masks come from the rank's torch generator, which checkpoints
+    save and resumes restore."""
+    dropouts = [
+        module
+        for name, module in model.named_modules()
+        if ".lora_dropout." in name and isinstance(module, nn.Dropout)
+    ]
+    for module in dropouts:
+        module.train()
+    try:
+        yield
+    finally:
+        for module in dropouts:
+            module.eval()
 
 
 def load_sharded(

@@ -20,7 +20,14 @@ from rl.config import Config
 from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan
 from rl.sync.transport import ChannelSpec
 from rl.types import Batch, PolicyObjective
-from trainer.fsdp import LogProbModel, load_sharded, num_replicas, reshard, with_lora
+from trainer.fsdp import (
+    LogProbModel,
+    adapter_dropout,
+    load_sharded,
+    num_replicas,
+    reshard,
+    with_lora,
+)
 from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
@@ -144,9 +151,10 @@ class PolicyTrainer(RoleRank):
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
         temperature = self.cfg.rollout.temperature
         for micro, inputs, _ in self._micro_batches(batch):
-            logprob, entropy = self.policy(inputs, temperature)
-            loss, metrics = self.objective.loss(logprob, entropy, micro, denominator)
-            (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
+            with adapter_dropout(self.policy):
+                logprob, entropy = self.policy(inputs, temperature)
+                loss, metrics = self.objective.loss(logprob, entropy, micro, denominator)
+                (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
                 if name in metrics:

@@ -63,6 +63,8 @@ def _check_lora(cfg: Config, path: Path | str) -> None:
         return
     if not lora.alpha > 0:
         raise ConfigError(f"{path}: model.lora.alpha must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"{path}: model.lora.dropout must be in [0, 1), got {lora.dropout}")
     if not lora.target_modules:
         raise ConfigError(f"{path}: model.lora.target_modules is empty: name the linear modules")
     if cfg.model.frozen:

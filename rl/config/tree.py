@@ -163,6 +163,11 @@ class LoraConfig(Section):
     alpha: float = Field(
         16.0, description="Adapter scale numerator: the update is (alpha / rank) * B @ A."
     )
+    dropout: float = Field(
+        0.0,
+        description="Dropout on each adapter's input in the trainer's training forward "
+        "(peft's lora_dropout); log-probs are recomputed and sampled without it.",
+    )
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Names of the linear modules that get an adapter (the last part of the "
@@ -175,15 +180,20 @@ class LoraConfig(Section):
 
     def peft_dict(self) -> dict:
         """The adapter's settings as PEFT's adapter_config.json holds them."""
-        return {"r": self.rank, "lora_alpha": self.alpha, "target_modules": self.target_modules}
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": self.target_modules,
+        }
 
     def peft_config(self) -> object:
         """The same adapters as peft's `LoraConfig`, which the trainer and the torch engine
-        apply (`get_peft_model`). No dropout: the trainer runs in eval mode, so that its
-        recomputed log-probs equal the engines' (peft's dropout would be off there anyway)."""
+        apply (`get_peft_model`). Their dropout acts only where a module is in training mode:
+        the trainer's training forward (`trainer.fsdp.adapter_dropout`)."""
         from peft import LoraConfig as PeftLoraConfig
 
-        return PeftLoraConfig(**self.peft_dict(), lora_dropout=0.0)
+        return PeftLoraConfig(**self.peft_dict())
 
 
 class ModelConfig(Section):

@@ -32,7 +32,8 @@ def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(tmp_pat
         tmp_path / "shared",
         tmp_path / "runs",
         "lora",
-        model={"lora": {"rank": RANK}},
+        # Dropout draws from the trainer ranks' generators: a resume must restore them.
+        model={"lora": {"rank": RANK, "dropout": 0.1}},
         run={"num_steps": 3},
         checkpoint={"every": 2},
     )

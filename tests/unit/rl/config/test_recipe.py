@@ -182,6 +182,7 @@ def test_no_eval_prompts_is_a_run_without_evaluation() -> None:
     [
         (["model.lora.rank=600"], r"model.lora.rank must be 0 \(off\) to 512"),
         (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha must be > 0, got 0.0"),
+        (["model.lora.rank=8", "model.lora.dropout=1"], r"model.lora.dropout must be in \[0, 1\)"),
         (
             ["model.lora.rank=8", "model.lora.target_modules=[]"],
             "model.lora.target_modules is empty",
