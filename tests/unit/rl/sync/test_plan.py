@@ -163,3 +163,35 @@ def test_plan_rejects_bad_sizes(kwargs: dict, message: str) -> None:
     args = {"world_size": 2, "tp_size": 1, "bucket_bytes": 1 << 20, **kwargs}
     with pytest.raises(ValueError, match=message):
         plan_weight_sync(_model(1), SHAPE, **args)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_lora_plan_sends_each_adapter_whole_to_every_tp_rank_and_nothing_else(
+    tp_size: int,
+) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from trainer.weight_sender import trained_tensors
+
+    hidden, inter, kv, rank = 64, 96, 32, 4
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(config),
+        LoraConfig(r=rank, target_modules=["q_proj", "k_proj", "down_proj"]),
+    )
+    specs = trained_tensors(model)
+    assert {s.name.rsplit(".", 3)[-3] for s in specs} == {"lora_A", "lora_B"}
+    shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=tp_size, bucket_bytes=1 << 20)
+    # vLLM's LoRA layers slice an adapter for their TP rank themselves: each rank gets it whole.
+    for spec in specs:
+        for tp_rank in range(tp_size):
+            assert plan.region(spec, tp_rank) == Region(0, spec.num_rows, 0, spec.num_cols)
+    # A [r, in] and B [out, r] of q (64 -> 64), k (64 -> 32) and down (96 -> 64), per layer.
+    adapters = 2 * rank * ((hidden + hidden) + (hidden + kv) + (inter + hidden))
+    assert plan.total_bytes == 4 * adapters
+    assert all(plan.bytes_to_rank(r) == 4 * adapters for r in range(tp_size))
