@@ -95,14 +95,18 @@ class RolloutWorker:
         return self._loop.interrupt()
 
     async def close(self) -> None:
-        """Stop what the engine's process started besides the engine: an agent's tool pool
-        (its worker processes and their directory) and a user's environment's workers. Ray kills an actor's children without
-        running their cleanup, so the driver calls this before letting an actor go."""
+        """Stop what this process started: the engine (vLLM's TP worker processes and their
+        shared memory), an agent's tool pool (its worker processes and their directory) and a
+        user's environment's workers. Ray kills an actor's children without running their
+        cleanup, so the driver calls this before letting an actor go."""
+        if self._loop is None:
+            return
         if isinstance(self._loop, AgentLoop):
             from rl.agents.env_pool import close_env_pools
 
             self._loop.tools.close()
             close_env_pools()
+        self._engine.close()
 
     async def release_memory(self) -> bool:
         """Free the engine's device memory while a colocated trainer runs (GPU only)."""

@@ -77,6 +77,10 @@ class RolloutEngine(Protocol):
         """Peak memory since the previous call."""
         ...
 
+    def close(self) -> None:
+        """Stop the engine and whatever it started (processes, shared memory)."""
+        ...
+
 
 def check_startable(samples: list[Sample], params: SamplingParams, max_model_len: int) -> None:
     """Raise ValueError unless every sample is fresh or aborted and has room to generate."""

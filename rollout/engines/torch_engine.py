@@ -249,6 +249,9 @@ class TorchEngine:
     def take_peak_memory_bytes(self) -> int:
         return take_peak_memory_bytes()
 
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process."""
+
     def _forward(self, cohort: _Cohort) -> torch.Tensor:
         """The next-token logits of each row of `cohort`: [B, vocab] float."""
         if cohort.cache is None:

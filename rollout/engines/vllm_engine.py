@@ -20,6 +20,7 @@ from rl.config import LoraConfig, RolloutConfig
 from rl.observe.memory import take_peak_memory_bytes
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
+from rollout.engines import vllm_shm
 from rollout.engines.contract import check_scorable, check_startable, decode_responses
 from rollout.engines.vllm_support import check_vllm
 from rollout.weight_receiver import adapter_names
@@ -123,6 +124,7 @@ class VLLMEngine:
         import vllm
 
         check_vllm(vllm)
+        vllm_shm.remove_dead_engines_segments()
         args = engine_args(model_path, cfg, dtype, seed, lora)
         # With LoRA: the adapter's settings for the receivers, and the adapter every request
         # runs with (none at version 0, whose adapters are zero: the base).
@@ -133,6 +135,7 @@ class VLLMEngine:
         self._sleeping: set[str] = set()  # vLLM's memory tags released: "weights", "kv_cache"
         self._vllm_sampling_params = vllm.SamplingParams
         self._llm = vllm.LLM(**args)
+        vllm_shm.record_segments()
         self._tokenizer = self._llm.get_tokenizer()
         self._final_only = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         self._request_ids = itertools.count()
@@ -357,6 +360,14 @@ class VLLMEngine:
         The ranks are where the weights and KV cache live: with TP > 1 they are processes of
         their own, which this one's memory would miss."""
         return max(self._llm.collective_rpc(_take_peak_memory_bytes))
+
+    def close(self) -> None:
+        """Shut vLLM down: its TP worker processes exit, and the shared memory its executor
+        and workers made for their queues is unlinked. vLLM unlinks those segments when it
+        shuts down or its objects are collected, which a process Ray kills never does: they
+        would stay in /dev/shm (`rollout.engines.vllm_shm` removes them after such a death)."""
+        self._llm.llm_engine.engine_core.shutdown()
+        vllm_shm.forget_segments()
 
     def _check_idle(self, what: str) -> None:
         if self._running:

@@ -6,6 +6,7 @@ is replaced and served the whole current version; a half-applied update is never
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -21,6 +22,7 @@ from rl.cluster.reservation import Placement, reserve
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
+from rl.sync.shared_memory import SHM_DIR
 from rl.sync.weight_sync import WeightSync
 from rl.types import Batch, Sample, SamplingParams, fresh_samples
 from tests.helpers.models import build_checkpoint
@@ -142,6 +144,7 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
         yield Setup(request.param, cfg, placement, rollout, trainers, sync)
     finally:
         sync.close()
+        rollout.close()  # vLLM's worker processes and shared memory go with their engine
         for actor in rollout.workers + trainers.workers:
             ray.kill(actor)
         placement.release()
@@ -253,6 +256,11 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     _large_update(setup)
     version = 1 + max(setup.rollout.versions())
     victim = setup.rollout.workers[1]
+    # The shared memory the victim's vLLM (TP 2: its executor and two worker processes) made.
+    pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()))
+    (record,) = SHM_DIR.glob(f"tandem-vllm-*-{pid}-*.json")
+    segments = json.loads(record.read_text())
+    assert segments and all((SHM_DIR / name).exists() for name in segments)
     for bucket in setup.sync.stream(version):
         if bucket == 1:
             ray.kill(victim, no_restart=True)
@@ -263,6 +271,9 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
 
     setup.sync.repair(version)
     assert setup.rollout.workers[1] is not victim
+    # The replacement, starting on the same host, removed what the killed engine left.
+    assert not record.exists()
+    assert not any((SHM_DIR / name).exists() for name in segments)
     assert setup.rollout.versions() == [version, version]
     assert max(_gaps(setup)) < 1e-4
 
