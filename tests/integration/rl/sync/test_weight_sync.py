@@ -208,6 +208,12 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
         assert all(".lora_A.default.weight" in n or ".lora_B.default.weight" in n for n in names)
         # Whole to every TP rank: vLLM slices an adapter itself.
         assert metrics["weight_sync/mb_per_rollout_rank"] * (1 << 20) == plan.total_bytes
+        # The next versions replace the served adapter: parity after each sync.
+        for later in (version + 1, version + 2):
+            _large_update(setup)
+            setup.sync.push(later)
+            assert setup.rollout.versions() == [later] * len(setup.rollout.workers)
+            assert max(_gaps(setup)) < 1e-4
         return
     assert metrics["weight_sync/buckets"] == len(plan.buckets) > 2
     sent = metrics["weight_sync/mb_per_rollout_rank"] * (1 << 20)
