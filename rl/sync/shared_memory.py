@@ -14,8 +14,6 @@ that a new run can delete the files of runs whose driver was killed before it co
 from __future__ import annotations
 
 import errno
-import functools
-import hashlib
 import mmap
 import os
 import re
@@ -26,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from rl.shm_owners import SHM_DIR, host_tag, owner_tag
 from rl.sync.pieces import bucket_tensors
 from rl.sync.plan import BYTES_PER_ELEMENT, WeightSyncPlan, owned_rows
 from rl.sync.transport import TRANSPORTS, SyncSite
 
 NUM_SLOTS = 2
-SHM_DIR = Path("/dev/shm")
 # Others share /dev/shm (vLLM's TP message queues, Ray, other runs) and may grow after the
 # free-space check: the slots need this share of their size, and this many bytes, beyond it.
 SHM_MARGIN = 1 / 8
@@ -39,35 +37,6 @@ SHM_RESERVE_BYTES = 16 << 20
 _SLOT_FILE = re.compile(
     r"tandem-(?P<host>[0-9a-f]{12})-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[0-9a-f]{12}-slot[0-9]+"
 )
-
-
-@functools.cache
-def _host_tag() -> str:
-    """This boot of this machine and this PID namespace: a PID means one process only within
-    both (hosts share nothing in /dev/shm, but containers may, each with its own PIDs)."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.stat("/proc/self/ns/pid")
-    except OSError:
-        # Unknown: a tag of this process alone, so that no other run judges its owners here.
-        return uuid.uuid4().hex[:12]
-    key = f"{boot_id}:{namespace.st_dev}:{namespace.st_ino}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def owner_tag(pid: int) -> str | None:
-    """`HOST-PID-START` naming process `pid` of this host while it lives; None once it has
-    exited (a zombie included: it never runs again)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Fields after the command name, which is in parentheses and may hold spaces: the state
-    # (field 3) first, the start time in clock ticks since boot (field 22) 19 later.
-    fields = text[text.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return f"{_host_tag()}-{pid}-{fields[19]}"
 
 
 def channel_prefix() -> str:
@@ -162,7 +131,7 @@ def remove_stale_slots() -> list[str]:
         entries = list(os.scandir(SHM_DIR))
     except FileNotFoundError:
         return []
-    host, user, removed = _host_tag(), os.geteuid(), []
+    host, user, removed = host_tag(), os.geteuid(), []
     for entry in entries:
         match = _SLOT_FILE.fullmatch(entry.name)
         if match is None or match["host"] != host:

@@ -4,7 +4,7 @@ With tensor parallelism, vLLM's executor and its worker processes make POSIX sha
 (message queues and a tensor arena, /dev/shm/psm_*, and semaphores, /dev/shm/sem.mp-*) and
 unlink it when they shut down or their objects are collected: never, when Ray kills the
 engine's actor. So each engine records the segments its processes map, under its owner tag
-(`rl.sync.shared_memory.owner_tag`: host, pid and start time), and an engine starting on the
+(`rl.shm_owners.owner_tag`: host, pid and start time), and an engine starting on the
 host removes the segments of every record whose owner has exited, then the record.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from rl.sync.shared_memory import SHM_DIR, owner_tag
+from rl.shm_owners import SHM_DIR, host_tag, owner_tag
 
 _SEGMENT = re.compile(r"psm_[0-9a-f]+|sem\.mp-[\w-]+")
 _RECORD = re.compile(r"tandem-vllm-(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)\.json")
@@ -71,7 +71,7 @@ def remove_dead_engines_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the segments recorded by engines of this host whose process has exited, and
     their records; returns the segments' names. Live engines' records and anything not named
     like vLLM's segments are kept."""
-    host = _host_of(owner_tag(os.getpid()))
+    host = host_tag()
     removed = []
     for record in shm_dir.glob("tandem-vllm-*.json"):
         match = _RECORD.fullmatch(record.name)
@@ -93,8 +93,3 @@ def remove_dead_engines_segments(shm_dir: Path = SHM_DIR) -> list[str]:
                 removed.append(name)
         record.unlink(missing_ok=True)
     return removed
-
-
-def _host_of(owner: str | None) -> str:
-    assert owner is not None  # this process is running
-    return owner.rsplit("-", 2)[0]

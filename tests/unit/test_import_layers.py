@@ -11,7 +11,8 @@ import pytest
 from tests.helpers.repo import REPO
 
 # What the inference and training sides may import of the controller; rl.agents is the
-# episode logic the rollout workers run (itself a leaf, below).
+# episode logic the rollout workers run (itself a leaf, below); rl.shm_owners names the files
+# a process leaves in /dev/shm (a leaf).
 _ALLOWED_FROM_RL = (
     "rl.config",
     "rl.types",
@@ -19,6 +20,7 @@ _ALLOWED_FROM_RL = (
     "rl.sync.transport",
     "rl.observe",
     "rl.agents",
+    "rl.shm_owners",
 )
 _AGENTS_MAY_IMPORT = ("rl.agents", "rl.config", "rl.types", "rl.sandbox", "rl.user_code")
 _TRANSPORTS = (

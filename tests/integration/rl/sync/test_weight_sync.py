@@ -22,7 +22,7 @@ from rl.cluster.reservation import Placement, reserve
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
-from rl.sync.shared_memory import SHM_DIR
+from rl.shm_owners import SHM_DIR
 from rl.sync.weight_sync import WeightSync
 from rl.types import Batch, Sample, SamplingParams, fresh_samples
 from tests.helpers.models import build_checkpoint

@@ -64,6 +64,7 @@ def _stream(transport: str, dead: dict[int, int] | None = None) -> tuple[list[st
         ]
     )
     sync.plan = SimpleNamespace(buckets=[[]] * NUM_BUCKETS, total_bytes=0)
+    sync.full_model_bytes = 0
     sync._traits = TRANSPORTS.traits(transport)
 
     def get(refs):

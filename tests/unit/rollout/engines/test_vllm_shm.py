@@ -10,7 +10,7 @@ import sys
 from multiprocessing import shared_memory
 from pathlib import Path
 
-from rl.sync.shared_memory import SHM_DIR, owner_tag
+from rl.shm_owners import SHM_DIR, host_tag, owner_tag
 from rollout.engines import vllm_shm
 
 
@@ -19,8 +19,7 @@ def _dead_owner() -> str:
     child = subprocess.Popen([sys.executable, "-c", "import os; print(open(f'/proc/{os.getpid()}/stat').read())"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     stat = child.communicate()[0]
     fields = stat[stat.rindex(")") + 2 :].split()
-    host = owner_tag(os.getpid()).rsplit("-", 2)[0]
-    return f"{host}-{child.pid}-{fields[19]}"
+    return f"{host_tag()}-{child.pid}-{fields[19]}"
 
 
 def test_segments_this_process_maps_are_recorded_and_forgotten_on_shutdown() -> None:
