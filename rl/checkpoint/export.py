@@ -68,13 +68,13 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge: bool = False) -> P
     policy = checkpoint / POLICY_DIR
     saved = _saved_shapes(policy)
     _check_out_dir(out_dir, checkpoint, Path(cfg.model.path))
-    files = checkpoint / MODEL_FILES_DIR
     from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 
     if lora and not merge:
-        return _export_adapters(cfg, policy, saved, files, out_dir)
+        return _export_adapters(cfg, policy, saved, checkpoint / MODEL_FILES_DIR, out_dir)
     trains_all = not (lora or cfg.model.frozen)
-    model, tokenizer = _model_from_files(files, None if trains_all else checkpoint)
+    frozen_from = None if trains_all else Path(cfg.model.path)
+    model, tokenizer = _model_from_files(checkpoint, frozen_from)
     if lora:
         from trainer.fsdp import with_lora
 
@@ -204,12 +204,13 @@ def _config_and_tokenizer(files: Path) -> tuple[PretrainedConfig, PreTrainedToke
 
 
 def _model_from_files(
-    files: Path, frozen_from: Path | None
+    checkpoint: Path, frozen_from: Path | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model the base's files in `files` describe, in fp32 (as the trainer loads it),
-    with its generation config, and its tokenizer. Its weights are the checkpoint's, loaded
-    next; those the run kept frozen (`frozen_from`: the checkpoint of such a run) are
-    model.path's, once checked to be the base the run trained from."""
+    """The model the base's files in `checkpoint` describe, in fp32 (as the trainer loads
+    it), with its generation config, and its tokenizer. Its weights are the checkpoint's,
+    loaded next; those its run kept frozen come from `frozen_from` (model.path; None: the run
+    trained them all), once checked to be the base the run trained from."""
+    files = checkpoint / MODEL_FILES_DIR
     config, tokenizer = _config_and_tokenizer(files)
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -217,15 +218,17 @@ def _model_from_files(
     if frozen_from is None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     else:
-        base = Path(_run_config(frozen_from / DRIVER_STATE).model.path)
-        if not base.is_dir():
+        if not frozen_from.is_dir():
             raise CheckpointError(
-                f"{frozen_from} holds only the tensors its run trained (LoRA adapters or all "
-                f"but model.frozen); the rest is the base, model.path={base}, which is not "
-                "here: put the base back there (or export a LoRA run's adapters without --merge)"
+                f"{checkpoint} holds only the tensors its run trained (LoRA adapters or all "
+                f"but model.frozen); the rest is the base, model.path={frozen_from}, which is "
+                "not here: put the base back there (or export a LoRA run's adapters without "
+                "--merge)"
             )
-        check_base(frozen_from, base)
-        model = AutoModelForCausalLM.from_pretrained(base, config=config, dtype=torch.float32)
+        check_base(checkpoint, frozen_from)
+        model = AutoModelForCausalLM.from_pretrained(
+            frozen_from, config=config, dtype=torch.float32
+        )
     if (files / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(files)
     return model, tokenizer

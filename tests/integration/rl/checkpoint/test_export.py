@@ -131,7 +131,11 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """New token ids of transformers' greedy decoding, up to and including EOS."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return _greedy(AutoModelForCausalLM.from_pretrained(model_dir), prompts)
+
+
+def _greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    """New token ids of `model.generate`'s greedy decoding, up to and including EOS."""
     outputs = []
     for prompt in prompts:  # one at a time: no padding to strip
         ids = torch.tensor([prompt])
@@ -277,16 +281,7 @@ def test_a_lora_checkpoint_exports_its_adapters_or_merged_and_both_load_in_trans
     adapted = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter_dir
     ).eval()
-    for prompt, want_ids in zip(prompts, merged, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = adapted.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_NEW_TOKENS,
-            )
-        assert out[0, len(prompt) :].tolist() == want_ids
+    assert _greedy(adapted, prompts) == merged
     # Not a degenerate comparison: the adapters change what the base says.
     assert merged != _hf_greedy(tiny_model_dir, prompts)
     # vLLM: the merged model as any model, the adapters as a LoRARequest over the base.

@@ -24,6 +24,15 @@ QWEN_7B = {
     "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
     "tie_word_embeddings": False,
 }  # fmt: skip
+# Small real architectures, for counts against the models transformers and peft build.
+QWEN2_TIED = Qwen2Config(
+    vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+)  # fmt: skip
+LLAMA_HEAD_DIM = LlamaConfig(
+    vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=3, num_key_value_heads=1, head_dim=48,
+)  # fmt: skip
 
 
 def _shape(tmp_path: Path, config: dict) -> ModelShape:
@@ -34,15 +43,7 @@ def _shape(tmp_path: Path, config: dict) -> ModelShape:
 @pytest.mark.parametrize(
     "config",
     [
-        Qwen2Config(
-            vocab_size=384,
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        ),
+        QWEN2_TIED,
         Qwen2Config(
             vocab_size=384,
             hidden_size=64,
@@ -52,15 +53,7 @@ def _shape(tmp_path: Path, config: dict) -> ModelShape:
             num_key_value_heads=1,
             tie_word_embeddings=False,
         ),
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=96,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=3,
-            num_key_value_heads=1,
-            head_dim=48,
-        ),
+        LLAMA_HEAD_DIM,
         LlamaConfig(
             vocab_size=256,
             hidden_size=64,
@@ -197,26 +190,11 @@ def test_on_cpu_every_rank_shares_host_memory(tmp_path: Path) -> None:
     ("config", "targets"),
     [
         (
-            Qwen2Config(
-                vocab_size=384,
-                hidden_size=64,
-                intermediate_size=160,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            ),
+            QWEN2_TIED,
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         ),
         (
-            LlamaConfig(
-                vocab_size=256,
-                hidden_size=96,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=3,
-                num_key_value_heads=1,
-                head_dim=48,
-            ),
+            LLAMA_HEAD_DIM,
             ["q_proj", "v_proj", "down_proj"],
         ),
     ],  # fmt: skip
