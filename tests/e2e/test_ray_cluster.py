@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,18 +22,13 @@ import yaml
 
 from rl.checkpoint.store import verify
 from tests.helpers.models import build_checkpoint
+from tests.helpers.ports import free_ports
 from tests.helpers.repo import REPO
 from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent  # the environment's `ray` and `rl`
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ray(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -58,7 +52,7 @@ def cluster() -> Iterator[Cluster]:
     # client must be told to present it.
     env["RAY_AUTH_MODE"] = "token"
     env.pop("RAY_ADDRESS", None)
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = free_ports(2)
     common = ["--object-store-memory=300000000", "--disable-usage-stats"]
     try:
         head = _ray(

@@ -3,7 +3,6 @@ a naive HF reference, and a weight sync between the ranks of one process group."
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
@@ -31,12 +30,6 @@ def trainer_config(model_dir: Path, algorithm: dict | None = None, **trainer: ob
             "run": {"verbose": True},
         }
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def hf_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from rl.algorithms.objective import Objective
 from rl.config import Config
 from rl.observe.metrics import is_measurement
 from rl.types import Batch
+from tests.helpers.ports import free_port, free_ports
 from trainer.checkpoint import SafeReader
 from trainer.policy import PolicyTrainer
 
@@ -32,12 +32,6 @@ def _config(model_dir: Path, num_workers: int) -> Config:
             "algorithm": {"kl_coef": 0.1},
         }
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _batch(vocab: int, seed: int) -> Batch:
@@ -57,15 +51,15 @@ def _params(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
 
 
-def _two_steps(rank: int, cfg: Config, port: int, vocab: int, out: Path) -> None:
+def _two_steps(rank: int, cfg: Config, ports: list[int], vocab: int, out: Path) -> None:
     """Step, checkpoint, step again; then fresh ranks restore and take the second step."""
-    trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port)
+    trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", ports[0])
     trainer.train_step(_batch(vocab, 0))
     trainer.save_checkpoint(str(out / "ckpt"))
     saved = _params(trainer)
     straight = trainer.train_step(_batch(vocab, 1)), _params(trainer)
     trainer.close()
-    trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port + 1)
+    trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", ports[1])
     trainer.load_checkpoint(str(out / "ckpt"))
     restored = _params(trainer)
     resumed = trainer.train_step(_batch(vocab, 1)), _params(trainer)
@@ -89,7 +83,7 @@ def test_a_restored_trainer_takes_the_same_step_bit_for_bit_and_reshards(
 ) -> None:
     vocab = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.vocab_size
     cfg = _config(tiny_model_dir, num_workers=2)
-    mp.spawn(_two_steps, args=(cfg, _free_port(), vocab, tmp_path), nprocs=2)
+    mp.spawn(_two_steps, args=(cfg, free_ports(2), vocab, tmp_path), nprocs=2)
     result = torch.load(tmp_path / "result.pt")
     for name, tensor in result["saved"].items():
         assert torch.equal(result["restored"][name], tensor), name
@@ -104,7 +98,7 @@ def test_a_restored_trainer_takes_the_same_step_bit_for_bit_and_reshards(
     assert any(not torch.equal(straight[n], result["saved"][n]) for n in straight)
 
     one_rank = _config(tiny_model_dir, num_workers=1)
-    mp.spawn(_one_rank_restore, args=(one_rank, _free_port(), tmp_path), nprocs=1)
+    mp.spawn(_one_rank_restore, args=(one_rank, free_port(), tmp_path), nprocs=1)
     for name, tensor in torch.load(tmp_path / "one_rank.pt").items():
         assert torch.equal(tensor, result["saved"][name]), name
 

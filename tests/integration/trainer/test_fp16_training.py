@@ -16,7 +16,8 @@ from rl.algorithms.objective import Objective
 from rl.algorithms.value_loss import value_loss
 from rl.config import Config
 from rl.types import Batch
-from tests.helpers.fsdp_ranks import free_port, make_batch, trainer_config
+from tests.helpers.fsdp_ranks import make_batch, trainer_config
+from tests.helpers.ports import free_ports
 from trainer.critic import ValueTrainer
 from trainer.policy import PolicyTrainer
 
@@ -89,7 +90,7 @@ def test_fp16_gradients_are_unscaled_overflow_skips_and_halves_and_the_scale_res
 ) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = make_batch(model, num_rows=6, seq_len=12, seed=6)
-    ports = [free_port() for _ in range(5)]
+    ports = free_ports(5)
     mp.spawn(_rank_main, args=(tiny_model_dir, ports, batch, tmp_path), nprocs=2)
     result = torch.load(tmp_path / "rank0.pt")
 

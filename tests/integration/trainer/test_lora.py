@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from rl.algorithms.objective import Objective, loss_weights, policy_objective
 from rl.config import Config
 from rl.types import Batch
-from tests.helpers.fsdp_ranks import free_port, hf_logprobs, make_batch, trainer_config
+from tests.helpers.fsdp_ranks import hf_logprobs, make_batch, trainer_config
+from tests.helpers.ports import free_port
 from trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from rl.algorithms.objective import Objective
 from rl.algorithms.value_loss import value_loss
 from rl.config import Config
 from rl.types import Batch
+from tests.helpers.ports import free_ports
 from trainer.critic import ValueTrainer
 from trainer.micro_batching import rank_rows
 from trainer.policy import PolicyTrainer
@@ -44,12 +44,6 @@ def _config(model_dir: Path) -> Config:
             "algorithm": {"entropy_coef": 0.01},
         }
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _make_batch(seed: int, seq_len: int = 10) -> Batch:
@@ -154,7 +148,7 @@ def test_nonfinite_steps_are_skipped_and_change_nothing(
 ) -> None:
     assert NAN_ROW in range(NUM_ROWS)[rank_rows(NUM_ROWS, 1, 2)]
     assert INF_ROW in range(NUM_ROWS)[rank_rows(NUM_ROWS, 0, 2)]
-    ports = [_free_port() for _ in range(3)]
+    ports = free_ports(3)
     mp.spawn(_rank_main, args=(tiny_model_dir, ports, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 

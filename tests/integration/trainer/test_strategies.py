@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from rl.algorithms.objective import Objective
 from rl.sync.shared_memory import channel_prefix, remove_slots
 from rl.types import Batch
-from tests.helpers.fsdp_ranks import free_port, make_batch, sync_between_ranks, trainer_config
+from tests.helpers.fsdp_ranks import make_batch, sync_between_ranks, trainer_config
+from tests.helpers.ports import free_ports
 from trainer.policy import PolicyTrainer
 from trainer.ranks import micro_batches
 
@@ -127,7 +128,8 @@ def strategies(
     out = tmp_path_factory.mktemp("strategies")
     # Per strategy: its group's port, its resumed group's, and its weight-sync channel (this
     # process's: removed here however the ranks end).
-    channels = [(free_port(), free_port(), channel_prefix()) for _ in STRATEGIES]
+    ports = free_ports(2 * len(STRATEGIES))
+    channels = [(*ports[2 * i : 2 * i + 2], channel_prefix()) for i in range(len(STRATEGIES))]
     try:
         mp.spawn(_strategies_main, args=(tiny_model_dir, channels, batches, out), nprocs=2)
     finally:

@@ -26,12 +26,12 @@ from rl.sync.shared_memory import (
 )
 from rl.types import Batch
 from tests.helpers.fsdp_ranks import (
-    free_port,
     hf_logprobs,
     make_batch,
     sync_between_ranks,
     trainer_config,
 )
+from tests.helpers.ports import free_port
 from trainer.policy import PolicyTrainer
 from trainer.worker import start_policy_ranks
 

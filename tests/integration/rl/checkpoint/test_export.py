@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from rl.checkpoint.store import CheckpointError, CheckpointWriter, checkpoint_ro
 from rl.config import Config
 from rl.types import Batch
 from tests.helpers.models import build_checkpoint
+from tests.helpers.ports import free_ports
 from tests.helpers.repo import REPO
 from tests.helpers.tampering import redeclare_as_pickle, relocate_shards
 from trainer.policy import PolicyTrainer
@@ -36,12 +36,6 @@ STEP = 3
 LORA_RANK = 8
 MAX_NEW_TOKENS = 12
 EMBEDDING = "model.model.embed_tokens.weight"  # its DCP key in the policy shards
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _batch(vocab: int) -> Batch:
@@ -56,11 +50,11 @@ def _batch(vocab: int) -> Batch:
     )
 
 
-def _train_save_export(rank: int, jobs: list[tuple[Config, Path]], port: int) -> None:
+def _train_save_export(rank: int, jobs: list[tuple[Config, Path]], ports: list[int]) -> None:
     """Per model: one step, then the DCP checkpoint and the trainer's own HF export of the
     same weights (both models in one spawn: each process imports torch once)."""
     for i, (cfg, step_dir) in enumerate(jobs):
-        trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port + i)
+        trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", ports[i])
         vocab = trainer.policy.model.config.vocab_size
         trainer.train_step(_batch(vocab))
         trainer.save_checkpoint(str(step_dir / "policy"))
@@ -95,7 +89,7 @@ def runs(
         jobs.append((cfg, step_dir))
         commits.append((writer, step_dir, cfg))
         out[kind] = run_dir
-    mp.spawn(_train_save_export, args=(jobs, _free_port()), nprocs=2)
+    mp.spawn(_train_save_export, args=(jobs, free_ports(len(jobs))), nprocs=2)
     for writer, step_dir, cfg in commits:
         driver_state = {"step": STEP, "config": cfg.model_dump(mode="json")}
         (step_dir / "driver.json").write_text(json.dumps(driver_state))
