@@ -33,6 +33,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # Deterministic abort points: a sample stops, partial, each time its response length
+    # reaches a multiple of this (0: never), to resume under the next policy version.
+    stop_every: int = 0
 
     @classmethod
     def for_training(cls, cfg: Config) -> SamplingParams:
@@ -52,6 +55,19 @@ class SamplingParams:
             return None
         seed = self.seed + sample.group_id * self.n + sample.index
         return seed + RESUME_SEED_STRIDE * len(sample.response_ids)
+
+    def stop_length(self, sample: Sample) -> int:
+        """The response length at which `sample`, started now, stops: max_new_tokens
+        (finish_reason "length"), or the next multiple of `stop_every` below it (then partial,
+        finish_reason "abort")."""
+        length = len(sample.response_ids)
+        if self.stop_every:
+            return min(self.max_new_tokens, (length // self.stop_every + 1) * self.stop_every)
+        return self.max_new_tokens
+
+    def length_finish(self, sample: Sample) -> str:
+        """The finish_reason of a sample that reached its `stop_length`."""
+        return "length" if len(sample.response_ids) >= self.max_new_tokens else "abort"
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Whole-run checkpoints: the trainer's and critic's shards plus the driver's state.
 
-The driver's state is what it needs to continue exactly: the step, where the prompt stream
-stands at the first group not yet trained (groups in flight are drawn and generated again,
-with the same seeds; later groups already trained are drawn and passed over), the adaptive
-KL coefficient, and run counters. With them goes a copy of the base model's files but its
+The driver's state is what it needs to continue exactly: the step, the scheduler's groups in
+flight (rl.checkpoint.in_flight: scored ones waiting for their step, partial ones with their
+prefix) and admission's counts, where the prompt stream stands after the last group drawn,
+the adaptive KL coefficient, and run counters. With them goes a copy of the base model's files but its
 weights (config, tokenizer), so that `rl export` needs nothing else, and the sha256 of each
 of its weight files, which a resume checks model.path against (`rl.checkpoint.base_weights`).
 Written atomically through `rl.checkpoint.store.CheckpointWriter`.
@@ -12,13 +12,13 @@ Written atomically through `rl.checkpoint.store.CheckpointWriter`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rl.checkpoint import base_weights
 from rl.checkpoint.export import MODEL_FILES_DIR, copy_model_files
 from rl.checkpoint.resume import DRIVER_STATE
-from rl.checkpoint.store import CheckpointWriter, checkpoint_root
+from rl.checkpoint.store import CheckpointError, CheckpointWriter, checkpoint_root
 from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
 from rl.config import Config
 
@@ -26,14 +26,12 @@ from rl.config import Config
 @dataclass
 class DriverState:
     step: int
-    first_group_id: int  # the first group no step up to `step` trained on
-    prompt_stream: dict  # PromptStream.state_dict() right before that group was drawn
+    prompt_stream: dict  # PromptStream.state_dict() after the last group drawn
     kl_coef: float
     accuracy_before: float | None  # None: the run started with evaluation off
     num_nonfinite_in_a_row: int = 0
-    # Groups from first_group_id on that a step up to `step` trained (dynamic sampling can
-    # start a step's replacement group after the next step's first): passed over on resume.
-    trained_group_ids: list[int] = field(default_factory=list)
+    # The scheduler's state at step `step`'s sync (rl.checkpoint.in_flight; None: the start).
+    in_flight: dict | None = None
 
 
 class RunCheckpoints:
@@ -75,4 +73,10 @@ class RunCheckpoints:
             self.critic.load_checkpoint(path / "critic")
         record = json.loads((path / DRIVER_STATE).read_text())
         del record["config"]
-        return DriverState(**record)
+        try:
+            return DriverState(**record)
+        except TypeError as e:
+            raise CheckpointError(
+                f"{path / DRIVER_STATE} is not a driver state this version reads ({e}); "
+                "resume from a checkpoint it wrote, or start the run afresh"
+            ) from None

@@ -64,8 +64,15 @@ class SchedulerConfig(Section):
     )
     partial_rollout: PartialRollout = Field(
         "finish",
-        description="At a weight sync, generations in flight finish under the old weights, or "
-        "are aborted and resumed under the new ones with their prefix kept.",
+        description="k >= 1: a sample generated for a later step than the next finishes under "
+        "the policy version it started with, or (abort) stops every abort_every tokens and "
+        "resumes under the next version with its prefix kept.",
+    )
+    abort_every: int = Field(
+        64,
+        ge=1,
+        description="partial_rollout abort: the response tokens such a sample generates under "
+        "one policy version before it waits for the next (a deterministic abort point).",
     )
 
     @property

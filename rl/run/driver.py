@@ -26,6 +26,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rl.agents.env_pool import close_env_pools
 from rl.base.build import ensure_base
 from rl.checkpoint.base_weights import check_base, weight_hashes
+from rl.checkpoint.in_flight import in_flight_from_json, in_flight_to_json
+from rl.checkpoint.resume import DRIVER_STATE
 from rl.checkpoint.run_state import DriverState, RunCheckpoints
 from rl.checkpoint.store import checkpoint_root, newest_valid
 from rl.cluster.reservation import init_ray, reserve
@@ -52,6 +54,7 @@ from rl.run.experience import StreamingScorer, TrainerSide
 from rl.run.groups import GroupStarter
 from rl.run.preemption import StopRequest
 from rl.run.scheduler.loop import Scheduler, Settings
+from rl.run.scheduler.prompt_groups import InFlight
 from rl.sync.weight_sync import WeightSync
 from rl.types import Sample, SamplingParams
 
@@ -217,13 +220,12 @@ def _run(
             trace,
             loop.on_version,
             start_version=state.step if state else 0,
-            first_group_id=state.first_group_id if state else 0,
-            trained_group_ids=frozenset(state.trained_group_ids if state else ()),
+            in_flight=loop.in_flight(state, resume_from),
         )
         if state is None:
             kl_coef = trainer_side.kl_controller.coef
             accuracy = loop.accuracy_before(data.counts)
-            state = DriverState(0, 0, prompts_stream.state_dict(), kl_coef, accuracy)
+            state = DriverState(0, prompts_stream.state_dict(), kl_coef, accuracy)
         elif state.step:
             logger.print(f"resumed from {resume_from} at step {state.step}")
         metrics = _train_steps(cfg, scheduler, trainer_side, checkpoints, loop, state, stop)
@@ -261,9 +263,8 @@ def _train_steps(
         )
         state.num_nonfinite_in_a_row = state.num_nonfinite_in_a_row + 1 if skipped else 0
         state.step, state.kl_coef = step, trainer_side.kl_controller.coef
-        state.first_group_id = scheduler.first_untrained_group()
-        state.trained_group_ids = scheduler.trained_from(state.first_group_id)
-        state.prompt_stream = loop.stream_state_before(state.first_group_id)
+        state.in_flight = in_flight_to_json(scheduler.state_dict())
+        state.prompt_stream = loop.prompts_stream.state_dict()
         every = cfg.checkpoint.every
         last = step == cfg.run.num_steps and cfg.checkpoint.save_final
         bad = state.num_nonfinite_in_a_row >= cfg.faults.max_nonfinite_steps
@@ -319,24 +320,21 @@ class _Loop:
         self.groups = GroupStarter(cfg, tokenizer)
         self.test_examples = test_examples
         self.prompts_stream, self.trace, self.logger = prompts_stream, trace, logger
-        # group id -> the stream's state right before that group drew its prompt
-        self._stream_states: dict[int, dict] = {}
         self._rollout_lanes = [lane for lane in trace.lanes if lane.startswith("rollout")]
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.for_training(self.cfg)
 
     def next_group(self, group_id: int) -> tuple[dict, list[Sample]]:
-        self._stream_states[group_id] = self.prompts_stream.state_dict()
         example = self.prompts_stream.next_batch(1)[0]
         return example, self.groups.start(example, group_id, self.cfg.algorithm.group_size)
 
-    def stream_state_before(self, group_id: int) -> dict:
-        """Where the prompt stream stood before group `group_id` (now, if not drawn yet);
-        older states are forgotten."""
-        for old in [g for g in self._stream_states if g < group_id]:
-            del self._stream_states[old]
-        return self._stream_states.get(group_id, self.prompts_stream.state_dict())
+    def in_flight(self, state: DriverState | None, checkpoint: Path | None) -> InFlight | None:
+        """The scheduler's groups in flight that `checkpoint` recorded (None: a fresh start)."""
+        if state is None or state.in_flight is None:
+            return None
+        where = f"{checkpoint / DRIVER_STATE} (in_flight)"
+        return in_flight_from_json(state.in_flight, where, self.groups.env_class)
 
     @property
     def evaluates(self) -> bool:

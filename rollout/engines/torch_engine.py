@@ -37,6 +37,7 @@ class _Cohort:
     samples: list[Sample]
     params: SamplingParams
     generators: list[torch.Generator] | None  # one per sample when seeded
+    stop_lengths: list[int]  # per sample: the response length it stops at (params.stop_length)
     cache: DynamicCache | None = None  # None until prefilled
     attention_mask: torch.Tensor | None = None  # [B, cached positions], 0 on left padding
     next_positions: torch.Tensor | None = None  # [B] position id of the next token
@@ -48,6 +49,7 @@ class _Cohort:
         self.samples = [self.samples[i] for i in rows]
         if self.generators is not None:
             self.generators = [self.generators[i] for i in rows]
+        self.stop_lengths = [self.stop_lengths[i] for i in rows]
         self.cache.batch_select_indices(index)
         self.attention_mask = self.attention_mask[index]
         self.next_positions = self.next_positions[index]
@@ -123,7 +125,8 @@ class TorchEngine:
         generators = None
         if params.seed is not None:
             generators = [torch.Generator().manual_seed(params.seed_of(s)) for s in samples]
-        self._cohorts.append(_Cohort(list(samples), params, generators))
+        stop_lengths = [params.stop_length(s) for s in samples]
+        self._cohorts.append(_Cohort(list(samples), params, generators, stop_lengths))
 
     @torch.inference_mode()
     def step(self) -> list[Sample]:
@@ -143,8 +146,8 @@ class TorchEngine:
                 sample.token_versions.append(self.version)
                 if stopped[i]:
                     sample.finish_reason = "stop"
-                elif len(sample.response_ids) >= cohort.params.max_new_tokens:
-                    sample.finish_reason = "length"
+                elif len(sample.response_ids) >= cohort.stop_lengths[i]:
+                    sample.finish_reason = cohort.params.length_finish(sample)
                 else:
                     rows.append(i)
                     continue

@@ -139,8 +139,9 @@ class VLLMEngine:
         self._tokenizer = self._llm.get_tokenizer()
         self._final_only = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         self._request_ids = itertools.count()
-        # request id -> its samples: a fresh group's n, in index order, or one resumed sample
-        self._running: dict[str, list[Sample]] = {}
+        # request id -> its samples (a fresh group's n, in index order, or one resumed sample)
+        # and the params they were started with
+        self._running: dict[str, tuple[list[Sample], SamplingParams]] = {}
         self.version = 0
         # Set while an update is partly applied: the engine then refuses to serve.
         self._updating_to: int | None = None
@@ -155,7 +156,7 @@ class VLLMEngine:
     @property
     def num_running(self) -> int:
         """Samples being generated (started and neither finished nor aborted)."""
-        return sum(not s.finish_reason for request in self._running.values() for s in request)
+        return sum(not s.finish_reason for request, _ in self._running.values() for s in request)
 
     def start(self, samples: list[Sample], params: SamplingParams) -> None:
         """Queue `samples` (fresh, or partial ones to resume) under the version being served.
@@ -179,7 +180,7 @@ class VLLMEngine:
             )
             for sample in request:
                 sample.finish_reason = ""
-            self._running[request_id] = request
+            self._running[request_id] = request, params
 
     def step(self) -> list[Sample]:
         """One engine step: the samples that finished in it are returned, their tokens (with
@@ -187,11 +188,11 @@ class VLLMEngine:
         finished = []
         for output in self._llm.llm_engine.step():
             # A request's one output is its final one: a group's n samples come back together.
-            request = self._running.pop(output.request_id)
+            request, params = self._running.pop(output.request_id)
             for completion in output.outputs:
                 sample = request[completion.index]
                 self._append(sample, completion.token_ids, completion.logprobs)
-                sample.finish_reason = completion.finish_reason
+                sample.finish_reason = _finish_reason(completion.finish_reason, sample, params)
                 sample.request_prompt_tokens += len(output.prompt_token_ids)
                 cached = output.num_cached_tokens or 0
                 sample.cached_prompt_tokens = (sample.cached_prompt_tokens or 0) + cached
@@ -205,7 +206,7 @@ class VLLMEngine:
         in a group still running (vLLM holds those back until the whole group ends)."""
         self._take_held_outputs()
         self._llm.llm_engine.abort_request(list(self._running))
-        stopped = [s for request in self._running.values() for s in request]
+        stopped = [s for request, _ in self._running.values() for s in request]
         self._running.clear()
         for sample in stopped:
             sample.finish_reason = sample.finish_reason or "abort"
@@ -221,7 +222,7 @@ class VLLMEngine:
         tokens and log-probs, and a group's finished samples in its parent request.
         """
         processor = self._llm.llm_engine.output_processor
-        for request_id, request in self._running.items():
+        for request_id, (request, params) in self._running.items():
             parent = None
             for internal_id in processor.external_req_ids.get(request_id, ()):
                 state = processor.request_states[internal_id]
@@ -234,7 +235,7 @@ class VLLMEngine:
                 if completion is not None:
                     sample = request[completion.index]
                     self._append(sample, completion.token_ids, completion.logprobs)
-                    sample.finish_reason = completion.finish_reason
+                    sample.finish_reason = _finish_reason(completion.finish_reason, sample, params)
 
     def _append(self, sample: Sample, token_ids: list[int], logprobs: list[dict]) -> None:
         """Extend `sample` by `token_ids`, sampled under this version, with their log-probs
@@ -263,7 +264,7 @@ class VLLMEngine:
             n=n,
             temperature=params.temperature,
             top_p=params.top_p,
-            max_tokens=params.max_new_tokens - len(sample.response_ids),
+            max_tokens=params.stop_length(sample) - len(sample.response_ids),
             seed=seed,
             logprobs=0,
             detokenize=False,
@@ -390,6 +391,12 @@ class VLLMEngine:
 def _take_peak_memory_bytes(worker: object) -> int:
     """Run by collective_rpc in each TP rank's process; `worker` is vLLM's worker there."""
     return take_peak_memory_bytes()
+
+
+def _finish_reason(vllm_reason: str, sample: Sample, params: SamplingParams) -> str:
+    """Ours for vLLM's: a request stopped by its max_tokens reached max_new_tokens ("length")
+    or a `stop_every` point (then partial: "abort")."""
+    return params.length_finish(sample) if vllm_reason == "length" else vllm_reason
 
 
 def _requests(samples: list[Sample], n: int) -> list[list[Sample]]:

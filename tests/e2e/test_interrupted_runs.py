@@ -1,9 +1,12 @@
 """Runs that are killed, preempted or fed bad checkpoints, through the real `rl` command.
 
-The reference is one uninterrupted 6-step run. A run killed with SIGKILL after step 4 and
-resumed with `--resume auto` (from its step-3 checkpoint), and a run stopped with SIGTERM and
-resumed, must log exactly the reference's metrics at every step, except measurements of the
-machine (`rl.observe.metrics.is_measurement`).
+The reference is one uninterrupted 6-step run, overlapped (max_staleness 1) with partial
+rollouts stopped at abort points, so every checkpoint holds groups in flight: scored ones
+waiting for their step, partial ones with their prefix. A run killed with SIGKILL at two
+moments and resumed with `--resume auto` each time (from its step-3 checkpoint), and a run
+stopped with SIGTERM and resumed, must log exactly the reference's metrics at every step,
+except measurements of the machine (`rl.observe.metrics.is_measurement`): deterministic
+overlap (two runs agree) and exact resume.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ NUM_STEPS = 6
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny GRPO recipe (its SFT base is built by the first run)."""
+    """A tiny overlapped GRPO recipe (its SFT base is built by the first run)."""
     root = tmp_path_factory.mktemp("resume")
     tree = tiny_run_tree(
         root,
@@ -42,6 +45,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "reference",
         checkpoint={"every": 3},
         run={"num_steps": NUM_STEPS, "eval_every": 2, "export_hf": False},
+        scheduler={"max_staleness": 1, "partial_rollout": "abort", "abort_every": 2},
     )
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -116,11 +120,14 @@ def test_a_killed_run_resumed_from_its_checkpoint_logs_the_same_metrics_bit_for_
     recipe: Path, reference: list[dict]
 ) -> None:
     run_dir = _run_dir(recipe, "killed")
-    process = _start(recipe, "killed")
-    _wait_for_step(process, run_dir, 4)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_000003"]
+    # Killed as step 4's record appears (step 5 trains, step 6 generates), then, resumed, as
+    # step 5's appears (its weights just synced, step 6's groups resuming under them).
+    for kill_after, resume in ((4, ()), (5, ("--resume", "auto"))):
+        process = _start(recipe, "killed", *resume)
+        _wait_for_step(process, run_dir, kill_after)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_000003"]
 
     result = _run(recipe, "killed", "--resume", "auto")
     assert result.returncode == 0, result.stderr[-4000:]

@@ -46,12 +46,14 @@ class Admission:
         self.max_groups_per_step = max_groups_per_step
         self.steps = {step: StepSlots() for step in range(first_step, num_steps + 1)}
 
-    def next_step(self, rollout_version: int) -> int | None:
+    def next_step(self, rollout_version: int, last_step: int | None = None) -> int | None:
         """The step a group started now under `rollout_version` would be for, or None when no
-        group may start (every admissible step has its groups started, or the next step would
-        train on samples more than max_staleness versions old)."""
+        group may start (every admissible step up to `last_step` has its groups started, or
+        the next step would train on samples more than max_staleness versions old)."""
         for step, slots in self.steps.items():
             if step - 1 - rollout_version > self.max_staleness:
+                return None
+            if last_step is not None and step > last_step:
                 return None
             wanted = slots.num_kept + slots.num_in_flight < self.groups_per_step
             if wanted and slots.num_started < self.max_groups_per_step:
@@ -77,6 +79,19 @@ class Admission:
         if slots.num_kept >= self.groups_per_step:
             return True
         return slots.num_started >= self.max_groups_per_step and not slots.num_in_flight
+
+    def state_dict(self) -> dict[str, list[int]]:
+        """Each step's counts (started, kept, dropped), for a checkpoint taken at a sync,
+        when no group is being scored."""
+        return {
+            str(step): [slots.num_started, slots.num_kept, slots.num_dropped]
+            for step, slots in self.steps.items()
+        }
+
+    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        for step, counts in state.items():
+            assert int(step) in self.steps, f"step {step} is not ahead of the checkpoint"
+            self.steps[int(step)] = StepSlots(*counts)
 
     def retire(self, step: int) -> StepSlots:
         """Forget a step once it has trained; returns its counts."""

@@ -1,24 +1,42 @@
-"""The scheduler: generation overlapped with training on one device pool, staleness bounded.
+"""The scheduler: generation overlapped with training on one device pool, staleness bounded,
+and deterministic.
 
 One loop in the driver, over futures. Prompt groups start on the rollout workers as admission
-control allows (rl.run.scheduler.admission: a step's samples are at most `max_staleness` versions old) and
-stream back one group at a time; each finished group is scored, and the trainer computes its
-proximal/reference log-probs and values while the long tail still generates. A step trains
-once all its groups are in; then the new weights are synced, after generations in flight
-have finished under the old weights (partial_rollout="finish") or been aborted, to resume under
-the new ones with their prefix kept ("abort"). With max_staleness = 0 this is the synchronous
-loop: generate, score, train, sync.
+control allows (rl.run.scheduler.admission: a step's samples are at most `max_staleness`
+versions old) and stream back one group at a time, each scored on its own. Once all of a
+step's groups are in, the trainer annotates them (proximal/reference log-probs, values) and
+trains; the step's weights are synced once nothing generates or is being scored. With
+max_staleness = 0 this is the synchronous loop: generate, score, train, sync.
+
+Deterministic: what step s trains on, and which policy version sampled each of its tokens,
+follow from the configuration and the seed, never from which future finished first.
+- Groups start at a sync, for every step admission allows then; between syncs only as
+  replacements for the next step's dropped groups (dynamic sampling; a later step's wait for
+  the next sync). So each group's id, prompt, step and first version are fixed.
+- A step's groups are annotated, trained on and reported in group-id order.
+- A sync waits until nothing generates and nothing is being scored. Under partial_rollout
+  "finish" a sample is generated to its end under the version it started with. Under "abort"
+  a sample for a later step than the next stops each time its length reaches a multiple of
+  `abort_every` (SamplingParams.stop_every) and resumes under the next version: the abort
+  point is fixed by its length, not by a clock. What it costs: a sync waits for the segments
+  in flight to reach that point, and a sample that reached it waits for the sync.
+The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
+admission's counts) is what a checkpoint records, so a resumed run continues exactly.
 
 A rollout worker lost mid-generation is replaced on the rollout's weights; its groups start
-again from what the driver holds: fresh samples (same seeds), aborted ones from their prefix.
+again from what the driver holds: fresh samples (same seeds), partial ones from their prefix.
+Replaced while the trainer holds the rollout's version (idle since the last sync), the run
+stays exact; lost while a step trains, its groups wait for that step's sync and generate under
+the newer version.
 
 The workers are reached through three small ports, so tests drive the same loop with fakes;
-they and the loop's `Settings` are in rl.run.scheduler.ports; a group and its step metrics are
-in rl.run.scheduler.prompt_groups.
+they and the loop's `Settings` are in rl.run.scheduler.ports; a group, the checkpointed state
+and the step metrics are in rl.run.scheduler.prompt_groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -30,7 +48,7 @@ from rl.observe.trace import Trace
 from rl.run.scheduler.admission import Admission
 from rl.run.scheduler.device_turns import DeviceTurns
 from rl.run.scheduler.ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
-from rl.run.scheduler.prompt_groups import Group, step_metrics
+from rl.run.scheduler.prompt_groups import Group, InFlight, step_metrics
 from rl.types import Sample, SamplingParams
 
 
@@ -46,20 +64,16 @@ class Scheduler:
         trace: Trace,
         on_version: Callable[[int], dict[str, float]] = lambda version: {},
         start_version: int = 0,
-        first_group_id: int = 0,
-        trained_group_ids: frozenset[int] = frozenset(),
+        in_flight: InFlight | None = None,
     ) -> None:
         """`next_group(group_id)` gives the example of the next group and its fresh samples
         (settings.group_size of them, rl.run.groups);
         `on_version(v)` runs once the rollout serves version v, with nothing generating
         (held-out evaluation), and returns metrics for step v.
 
-        A resumed run starts at `start_version` (trainer and rollout both serve it) with
-        group ids from `first_group_id`, which seed the groups' sampling: the groups a
-        checkpoint had not trained are drawn again, and sampled again identically. Groups in
-        `trained_group_ids` (from `first_group_id` on, but trained by a checkpointed step:
-        with dynamic sampling a replacement group can start after the next step's first) have
-        their prompts drawn and passed over, so no prompt is trained twice."""
+        A resumed run starts at `start_version` (trainer and rollout both serve it) from its
+        checkpoint's `in_flight` (`state_dict` at that sync): the groups it had not trained
+        continue from their tokens, and new groups from its next id."""
         self.settings = settings
         self.sampling = sampling
         self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
@@ -75,19 +89,16 @@ class Scheduler:
         )
         self.trainer_version = start_version  # the trainer's weights: steps trained
         self.rollout_version = start_version  # the weights the rollout workers serve
-        self._num_groups = first_group_id
-        # Ids of the groups that trained steps consumed (kept or dropped), for checkpoints.
-        self._trained_ids = set(trained_group_ids)
+        self._num_groups = 0
         self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
         # Per rollout worker: group id -> group generating there; and workers being polled.
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
         self._polled: set[int] = set()
         self._finished: dict[int, list[Group]] = {}  # step -> scored groups, kept or not
-        # step -> (metrics, number of samples) of each scoring call for its groups
-        self._reward_metrics: dict[int, list[tuple[dict[str, float], int]]] = {}
-        self._kept: dict[int, list[Group]] = {}  # step -> scored groups kept for training
-        self._partial: list[Group] = []  # groups with samples aborted by a sync
-        self._interrupted = False
+        self._partial: list[Group] = []  # groups stopped at an abort point: the next version's
+        # Groups may start for every step admission allows (at a sync), or else only for the
+        # next step (module docstring).
+        self._at_sync = True
         self.turns = DeviceTurns(settings.release_memory, rollout, trainer)
         # Rollout workers lost while generating and not replaced yet, and the groups that
         # wait meanwhile (none start: a fresh worker must first get the rollout's weights).
@@ -96,9 +107,18 @@ class Scheduler:
         self._num_lost, self._lost_in_step = 0, 0  # in the run; generating, this step
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._last_step_end = time.perf_counter()
+        if in_flight is not None:
+            self._num_groups = in_flight.next_group_id
+            self.admission.load_state_dict(in_flight.admission)
+            for group in in_flight.groups:
+                if group.kept is None:
+                    self._partial.append(group)  # resumes first, as after that sync
+                else:
+                    self._finished.setdefault(group.step, []).append(group)
 
     def run(self) -> Iterator[tuple[int, dict[str, float]]]:
         """Train every step; yields (step, metrics) as each step's weights reach the rollout."""
+        self._resume_waiting()
         while self.rollout_version < self.settings.num_steps:
             self._replace_lost()
             yield from self._sync_if_due()
@@ -114,40 +134,74 @@ class Scheduler:
             for future in done:
                 self._complete(future)
 
+    def state_dict(self) -> InFlight:
+        """The run's state at the sync `run` last yielded after (module docstring); groups
+        resumed at that sync are recorded as they were before it."""
+        assert not self._is_scoring(), "state taken while groups were being scored"
+        waiting = [
+            *(group for groups in self._generating for group in groups.values()),
+            *self._partial,
+            *self._held,
+        ]
+        scored = [group for groups in self._finished.values() for group in groups]
+        return InFlight(
+            self._num_groups,
+            self.admission.state_dict(),
+            sorted([*waiting, *scored], key=lambda group: group.group_id),
+        )
+
     # -- generation ---------------------------------------------------------------------
 
     def _admit(self) -> None:
         if self.settings.release_memory and self._trainer_busy():
             return  # time-sliced devices: the trainer has them
+        last_step = None if self._at_sync else self.rollout_version + 1
+        self._at_sync = False
         groups = []
-        while (step := self.admission.next_step(self.rollout_version)) is not None:
-            while self._num_groups in self._trained_ids:  # trained before a resume
-                self.next_group(self._num_groups)
-                self._num_groups += 1
+        while (step := self.admission.next_step(self.rollout_version, last_step)) is not None:
             group_id, self._num_groups = self._num_groups, self._num_groups + 1
             example, samples = self.next_group(group_id)
             self.admission.start(step, self.rollout_version)
             groups.append(Group(group_id, step, example, samples))
         self._generate(groups)
 
+    def _resume_waiting(self) -> None:
+        """Start the groups that waited for this version: stopped at an abort point, or held
+        for a lost worker; in group-id order, so a resumed run submits as the original did."""
+        waiting, self._partial, self._held = [*self._partial, *self._held], [], []
+        self._generate(sorted(waiting, key=lambda group: group.group_id))
+
+    def _params(self, group: Group) -> SamplingParams:
+        """The next step's groups finish under this version; later steps' stop at abort
+        points under partial_rollout "abort"."""
+        if group.step > self.rollout_version + 1 and self.settings.partial_rollout == "abort":
+            return dataclasses.replace(self.sampling, stop_every=self.settings.abort_every)
+        return self.sampling
+
     def _generate(self, groups: list[Group]) -> None:
-        """Start `groups` in one submission: the samples not finished yet (fresh, or aborted
-        with a prefix to resume), or hold them while a lost worker awaits its replacement."""
+        """Start `groups` (one submission per sampling params): the samples not finished yet
+        (fresh, or partial with a prefix to resume), or hold them while a lost worker awaits
+        its replacement."""
         if not groups:
             return
         if self._lost:
             self._held.extend(groups)
             return
-        batches = {
-            group.group_id: [s for s in group.samples if not s.finish_reason or s.is_partial]
-            for group in groups
-        }
         self.turns.to_rollout()
-        placed = self.rollout.submit(batches, self.sampling)
+        by_params: dict[int, tuple[SamplingParams, list[Group]]] = {}
         for group in groups:
-            worker = placed[group.group_id]
-            self._generating[worker][group.group_id] = group
-            self.trace.begin(f"rollout-{worker}", "generate", group.step)
+            params = self._params(group)
+            by_params.setdefault(params.stop_every, (params, []))[1].append(group)
+        for params, submitted in by_params.values():
+            batches = {
+                group.group_id: [s for s in group.samples if not s.finish_reason or s.is_partial]
+                for group in submitted
+            }
+            placed = self.rollout.submit(batches, params)
+            for group in submitted:
+                worker = placed[group.group_id]
+                self._generating[worker][group.group_id] = group
+                self.trace.begin(f"rollout-{worker}", "generate", group.step)
         self._poll()
 
     def _poll(self) -> None:
@@ -160,7 +214,6 @@ class Scheduler:
 
     def _generated(self, worker: int, finished: dict[int, list[Sample]]) -> None:
         self._polled.discard(worker)
-        to_score: dict[int, list[Group]] = {}
         for group_id, samples in finished.items():
             group = self._generating[worker].pop(group_id)
             self.trace.end(f"rollout-{worker}", "generate")
@@ -171,57 +224,28 @@ class Scheduler:
                     sample.episode.tool_spans.clear()
             by_index = {sample.index: sample for sample in samples}
             group.samples = [by_index.get(s.index, s) for s in group.samples]
-            if not any(sample.is_partial for sample in group.samples):
-                to_score.setdefault(group.step, []).append(group)
-            elif self._interrupted:  # resumed under the new weights, after the sync
-                self._partial.append(group)
-            else:
-                self._generate([group])
-        # One scoring call per step, so each step's reward metrics are exactly its own.
-        for step, groups in to_score.items():
-            self.trace.begin("reward", "reward", step)
-            future = self.scorer.score([(group.samples, group.example) for group in groups])
-            self._pending[future] = ("score", groups)
+            if any(sample.is_partial for sample in group.samples):
+                self._partial.append(group)  # at an abort point: resumes after the next sync
+                continue
+            # One scoring call per group, so a step's reward metrics add up its groups' in
+            # id order, however they finished.
+            self.trace.begin("reward", "reward", group.step)
+            future = self.scorer.score([(group.samples, group.example)])
+            self._pending[future] = ("score", group)
         self._poll()
 
-    def _scored(
-        self, groups: list[Group], result: tuple[list[list[float]], dict[str, float]]
-    ) -> None:
+    def _scored(self, group: Group, result: tuple[list[list[float]], dict[str, float]]) -> None:
         self.trace.end("reward", "reward")
-        scores, metrics = result
-        step = groups[0].step
-        num_samples = sum(len(group.samples) for group in groups)
-        self._reward_metrics.setdefault(step, []).append((metrics, num_samples))
-        for group, group_scores in zip(groups, scores, strict=True):
-            group.scores = group_scores
-            keep = True
-            if self.settings.dynamic_sampling:
-                tensor = torch.tensor(group.scores)
-                keep = bool(dynamic_sampling_keep(tensor, self.settings.group_size)[0])
-            self.admission.finish(group.step, keep)
-            self._finished.setdefault(group.step, []).append(group)
-            if keep:
-                self._kept.setdefault(group.step, []).append(group)
+        (group.scores,), group.reward_metrics = result
+        group.kept = True
+        if self.settings.dynamic_sampling:
+            tensor = torch.tensor(group.scores)
+            group.kept = bool(dynamic_sampling_keep(tensor, self.settings.group_size)[0])
+        self.admission.finish(group.step, group.kept)
+        self._finished.setdefault(group.step, []).append(group)
 
-    def first_untrained_group(self) -> int:
-        """The lowest group id not yet trained on: a checkpoint of the trainer's weights
-        resumes by drawing the prompts again from this group on (generating, scoring,
-        waiting for their step, or not started yet)."""
-        scoring = [payload[0] for kind, *payload in self._pending.values() if kind == "score"]
-        waiting = [
-            *(group for groups in self._generating for group in groups.values()),
-            *(group for groups in scoring for group in groups),
-            *(group for groups in self._finished.values() for group in groups),
-            *self._partial,
-            *self._held,
-        ]
-        return min((group.group_id for group in waiting), default=self._num_groups)
-
-    def trained_from(self, first_group_id: int) -> list[int]:
-        """The ids from `first_group_id` on of groups already trained (a checkpoint's
-        `trained_group_ids`); older ones are forgotten."""
-        self._trained_ids = {i for i in self._trained_ids if i >= first_group_id}
-        return sorted(self._trained_ids)
+    def _is_scoring(self) -> bool:
+        return any(kind == "score" for kind, *_ in self._pending.values())
 
     def _is_generating(self) -> bool:
         return any(self._generating)
@@ -281,27 +305,31 @@ class Scheduler:
         if self._trainer_busy():
             return
         step = self.trainer_version + 1
-        if step > self.settings.num_steps:
+        if step > self.settings.num_steps or not self.admission.is_complete(step):
             return
-        kept = self._kept.get(step, [])
         if self.settings.release_memory and self._is_generating():
             return  # time-sliced devices: the engines have them
-        if self.trainer.needs_annotation:
-            # Only at version step - 1 (now): these are the proximal policy's log-probs.
-            todo = [group for group in kept if not group.annotated]
-            if todo:
-                self.trace.begin("trainer", "logprobs", step)
-                samples = [sample for group in todo for sample in group.samples]
-                self.turns.to_trainer()
-                self._pending[self.trainer.annotate(samples)] = ("annotate", todo)
-                return
-        if self._sync_pending() or not self.admission.is_complete(step):
+        kept = self._kept(step)
+        if self.trainer.needs_annotation and not all(group.annotated for group in kept):
+            # At version step - 1 (now): these are the proximal policy's log-probs. The whole
+            # step in one call, so its batches are the same in every run.
+            self.trace.begin("trainer", "logprobs", step)
+            samples = [sample for group in kept for sample in group.samples]
+            self.turns.to_trainer()
+            self._pending[self.trainer.annotate(samples)] = ("annotate", kept)
+            return
+        if self._sync_pending():
             return
         samples = [sample for group in kept for sample in group.samples]
         scores = [score for group in kept for score in group.scores]
         self.turns.to_trainer()
         self.trace.begin("trainer", "train", step)
         self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
+
+    def _kept(self, step: int) -> list[Group]:
+        """The groups step `step` trains on, in id order."""
+        groups = [group for group in self._finished.get(step, []) if group.kept]
+        return sorted(groups, key=lambda group: group.group_id)
 
     def _annotated(self, groups: list[Group], samples: list[Sample]) -> None:
         self.trace.end("trainer", "logprobs")
@@ -314,12 +342,11 @@ class Scheduler:
         assert step == self.trainer_version + 1
         self.trainer_version = step
         self.admission.retire(step)
-        finished = self._finished.pop(step, [])
-        kept = self._kept.pop(step, [])
-        self._trained_ids.update(group.group_id for group in finished)
-        reward_metrics = self._reward_metrics.pop(step, [])
+        kept = self._kept(step)
+        finished = sorted(self._finished.pop(step, []), key=lambda group: group.group_id)
+        reward_calls = [(group.reward_metrics, len(group.samples)) for group in finished]
         self._step_metrics[step] = {
-            **step_metrics(step, finished, kept, reward_metrics),
+            **step_metrics(step, finished, kept, reward_calls),
             **metrics,
         }
 
@@ -329,12 +356,7 @@ class Scheduler:
         return self.trainer_version > self.rollout_version and not self._trainer_busy()
 
     def _sync_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
-        if not self._sync_pending():
-            return
-        if self._is_generating():
-            if self.settings.partial_rollout == "abort" and not self._interrupted:
-                self.rollout.interrupt()
-                self._interrupted = True
+        if not self._sync_pending() or self._is_generating() or self._is_scoring():
             return
         version = self.trainer_version
         lanes = ["trainer", *(f"rollout-{i}" for i in range(self.rollout.num_workers))]
@@ -355,10 +377,9 @@ class Scheduler:
         metrics["rollout/version"] = float(version)
         for lane in lanes:
             self.trace.end(lane, "sync")
-        self.rollout_version, self._interrupted = version, False
+        self.rollout_version, self._at_sync = version, True
         metrics.update(self.on_version(version))
-        waiting, self._partial, self._held = [*self._partial, *self._held], [], []
-        self._generate(waiting)
+        self._resume_waiting()
         now = time.perf_counter()
         metrics.update(self._step_metrics.pop(version))
         metrics.update(self.trace.summary(self._last_step_end, now))

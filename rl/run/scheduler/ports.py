@@ -26,6 +26,7 @@ class Settings:
     group_size: int
     max_staleness: int
     partial_rollout: PartialRollout
+    abort_every: int  # partial_rollout "abort": tokens a later step's sample makes per version
     dynamic_sampling: bool
     max_groups_per_step: int  # groups started for one step, its redraws included
     # Colocated on-policy on GPUs: the rollout engines free their memory while training.
@@ -43,6 +44,7 @@ class Settings:
             group_size=algo.group_size,
             max_staleness=sched.max_staleness,
             partial_rollout=sched.partial_rollout,
+            abort_every=sched.abort_every,
             dynamic_sampling=algo.dynamic_sampling,
             max_groups_per_step=rounds * config.run.prompts_per_step,
             release_memory=sched.time_sliced and use_gpu,
@@ -68,9 +70,6 @@ class RolloutPort(Protocol):
     def poll(self, worker: int) -> Future:
         """Future of {key: samples} of every batch `worker` finished (or aborted) since its
         last poll, once there is at least one; it raises WorkerLost if the worker died."""
-
-    def interrupt(self) -> int:
-        """Abort what every live worker generates (a dead one is skipped: its poll tells)."""
 
     def release_memory(self) -> None:
         """Free the engines' weights and KV cache on the devices (time-sliced GPUs)."""

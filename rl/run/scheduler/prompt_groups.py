@@ -19,7 +19,20 @@ class Group:
     example: dict
     samples: list[Sample]
     scores: list[float] = field(default_factory=list)
+    kept: bool | None = None  # None until scored; then whether its step trains on it
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # of its scoring call
     annotated: bool = False
+
+
+@dataclass
+class InFlight:
+    """The scheduler at a sync, as a checkpoint records it (Scheduler.state_dict): the next
+    group id, admission's counts per step ahead, and every group no step has trained yet,
+    scored (`kept` set) or still to generate (fresh, or partial with its prefix)."""
+
+    next_group_id: int
+    admission: dict[str, list[int]]
+    groups: list[Group]
 
 
 def step_metrics(

@@ -14,6 +14,7 @@ resumes it like any partial sample).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -223,13 +224,6 @@ class Recording:
         self._record(aborted)
         return aborted
 
-    def mid_turn(self, min_steps: int) -> Sample | None:
-        """A sample generating a turn after an observation, `min_steps` steps into it."""
-        for sample, _, step in self._running.values():
-            if sample.episode.num_turns >= 1 and self.num_steps - step >= min_steps:
-                return sample
-        return None
-
     def _record(self, samples: list[Sample]) -> None:
         for s in samples:
             _, start, _ = self._running.pop(id(s))
@@ -405,25 +399,37 @@ def test_multi_turn_logprobs_match_transformers_and_observations_are_inserted(
     )
 
 
-# -- 2. interrupted mid-turn, resumed here or on another worker --------------------------------
+# -- 2. stopped mid-turn at an abort point, resumed here or on another worker ------------------
 
-MIN_TURN_STEPS = 3  # how far into a turn after an observation the interrupt comes
+TURN_TOKENS = 3  # how far into a turn after an observation the abort point comes
+
+
+def _abort_point(samples: list[Sample]) -> int:
+    """A `stop_every` that stops some sample TURN_TOKENS tokens into its second turn (and
+    none before its first observation)."""
+    for sample in samples:
+        mask = sample.loss_mask
+        starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+        if len(starts) >= 2 and sum(mask[starts[1] :]) > TURN_TOKENS:
+            return starts[1] + TURN_TOKENS
+    raise AssertionError("no episode has a second turn long enough to stop in")
 
 
 @pytest.mark.parametrize("engine_name", ["torch", "vllm"])
-def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
+def test_a_turn_stopped_at_an_abort_point_comes_back_partial_and_resumes_on_any_worker(
     engines: Engines, tokenizer, tools: ToolPool, engine_name: str
 ) -> None:
     """Seeds (SamplingParams.seed_of) move on with the response length at every generate
     call, a resumed turn's included, so a resumed episode need not end as the uninterrupted
     one. What a seeded run guarantees: the same tokens as the uninterrupted run up to the
-    interrupt, the same episodes for those that had finished, and a resumption that gives
-    the same tokens on whichever worker resumes it."""
+    abort point, the same episodes for those that finished before it, and a resumption that
+    gives the same tokens on whichever worker resumes it."""
     params = _params(seed=11, n=2)
     engine = Recording(engines.shared(engine_name, "untied"))
     uninterrupted = _samples(
         _run(_agent_loop(engine, tokenizer, tools), _groups(tokenizer, tools, 2, 2), params)
     )
+    stop_every = _abort_point(uninterrupted)
 
     batches = _groups(tokenizer, tools, 2, 2)
     engine = Recording(engine.engine)
@@ -432,30 +438,27 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
     at_interrupt: dict[tuple[int, int], Sample] = {}  # copies of the partial samples
     pieces_at_interrupt: dict[tuple[int, int], int] = {}
 
-    async def interrupted_then_resumed() -> None:
-        loop.start(batches, params)
-        deadline = time.monotonic() + HANG_GUARD_S
-        while (target := engine.mid_turn(MIN_TURN_STEPS)) is None:
-            assert time.monotonic() < deadline, "no turn after an observation ran long enough"
-            await asyncio.sleep(0)
-        num_aborted = loop.interrupt()
+    async def stopped_then_resumed() -> None:
+        loop.start(batches, dataclasses.replace(params, stop_every=stop_every))
         assert await _collect(loop, set(batches)) == batches
-
-        assert target.finish_reason == "abort"
-        assert len(target.response_ids) - target.episode.turn_start >= MIN_TURN_STEPS
         for key, samples in batches.items():
             if kept := [s for s in samples if s.is_partial]:
                 partial[key] = kept
         at_interrupt.update(
             ((s.group_id, s.index), s) for s in pickle.loads(pickle.dumps(_samples(partial)))
         )
-        assert 1 <= num_aborted <= len(at_interrupt)
+        # One stopped TURN_TOKENS into a turn after an observation; each at the abort point.
+        assert any(
+            s.episode.num_turns >= 1 and len(s.response_ids) - s.episode.turn_start == TURN_TOKENS
+            for s in at_interrupt.values()
+        )
+        assert all(len(s.response_ids) % stop_every == 0 for s in at_interrupt.values())
         pieces_at_interrupt.update((key, len(pieces)) for key, pieces in engine.pieces.items())
         # Resumed as the driver resumes them: the partial samples only.
         loop.start(partial, params)
         assert await _collect(loop, set(partial)) == partial
 
-    asyncio.run(interrupted_then_resumed())
+    asyncio.run(stopped_then_resumed())
 
     # Another worker resumes a copy (samples cross workers pickled): a fresh engine, as if
     # synced to version 1 of the same weights, and a fresh tool pool.
@@ -472,7 +475,7 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
         _complete(sample)
         check_trajectory(tokenizer, sample, engine.pieces[key])
         assert parity_gap(model, sample) < PARITY_TOL
-        if key not in at_interrupt:  # finished before the interrupt
+        if key not in at_interrupt:  # finished before the abort point
             assert sample.response_ids == whole.response_ids
             assert sample.logprobs == pytest.approx(whole.logprobs, abs=1e-6)
             continue
@@ -493,7 +496,7 @@ def test_interrupt_mid_turn_comes_back_partial_and_resumes_on_any_worker(
         assert copy.loss_mask == sample.loss_mask
         assert copy.logprobs == pytest.approx(sample.logprobs, abs=1e-6)
         assert copy.episode.messages == sample.episode.messages
-        # The tokens sampled before the interrupt keep version 0, the later ones carry 1.
+        # The tokens sampled before the abort point keep version 0, the later ones carry 1.
         assert copy.token_versions[:length] == stopped.token_versions
         resumed = [v for v, m in zip(copy.token_versions, copy.loss_mask, strict=True) if m][
             sum(stopped.loss_mask) + length - len(stopped.loss_mask) :

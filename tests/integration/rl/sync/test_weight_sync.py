@@ -6,6 +6,7 @@ is replaced and served the whole current version; a half-applied update is never
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -353,45 +354,29 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     assert samples[0].token_versions == [version] * len(samples[0].response_ids)
 
 
-def _interrupted_after_two_steps(
-    worker: ActorHandle, version: int, params: SamplingParams
-) -> list[Sample]:
-    """32 fresh samples started on `worker` and interrupted once the engine has taken two
-    steps, whatever the machine's speed: a pacer sample started with them, 2 tokens short of
-    `params.max_new_tokens`, finishes at the second step (a step samples a token for every
-    running sample), and the interrupt goes out as soon as its batch comes back. The other
-    samples then have about 2 of their up to 56 tokens."""
+STOP_EVERY = 4
+
+
+def _stopped_at_an_abort_point(worker: ActorHandle, params: SamplingParams) -> list[Sample]:
+    """32 fresh samples generated on `worker` with abort points every STOP_EVERY tokens: those
+    still running at their STOP_EVERY-th token come back partial there."""
     batch = fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))
-    done = params.max_new_tokens - 2
-    pacer = Sample([5, 6, 7], group_id=100, response_ids=[8] * done, logprobs=[-1.0] * done)
-    pacer.token_versions, pacer.finish_reason = [version] * done, "abort"  # a partial sample
-    # One call, so both are in the engine's first step; straight to the worker, so both are
-    # on the same engine (RolloutReplicas.submit spreads batches over workers).
-    ray.get(worker.start.remote({0: batch, 1: [pacer]}, params))
-    finished = ray.get(worker.poll.remote(), timeout=60)
-    assert 1 in finished, "the long batch finished before the pacer"
-    ray.get(worker.interrupt.remote())
-    while 0 not in finished:
-        finished |= ray.get(worker.poll.remote(), timeout=60)
-    assert finished[1][0].finish_reason in ("stop", "length")  # the pacer was not aborted
-    return finished[0]
+    stopping = dataclasses.replace(params, stop_every=STOP_EVERY)
+    return ray.get(worker.generate.remote(batch, stopping), timeout=60)
 
 
 @pytest.mark.parametrize("setup", ["llama-tied-tp1", "qwen2-tied-torch"], indirect=True)
 def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: Setup) -> None:
-    """A partial rollout: interrupted mid-generation by a sync, resumed under the new weights;
+    """A partial rollout: stopped at an abort point before a sync, resumed under the new weights;
     its prefix stays, each token records the version that sampled it, and each token's
     behaviour log-prob is that version's."""
     worker = setup.rollout.workers[0]
     version = ray.get(worker.version.remote())
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=56, seed=5)
-    # A try misses only if the interrupt's round trip outlasts the rest of the generation.
-    for _ in range(3):
-        samples = _interrupted_after_two_steps(worker, version, params)
-        partial = [s for s in samples if s.is_partial and s.response_ids]
-        if partial:
-            break
-    assert partial, "no generation was caught mid-way"
+    samples = _stopped_at_an_abort_point(worker, params)
+    partial = [s for s in samples if s.is_partial]
+    assert partial and all(len(s.response_ids) == STOP_EVERY for s in partial)
+    assert all(s.finish_reason == "stop" for s in samples if len(s.response_ids) < STOP_EVERY)
     prefixes = [list(s.response_ids) for s in partial]
 
     _large_update(setup)

@@ -33,7 +33,7 @@ def test_every_checkpoint_records_the_base_its_resume_is_checked_against(tmp_pat
         {"model": {"path": str(model)}, "run": {"output_dir": str(tmp_path / "runs")}}
     )
     checkpoints = RunCheckpoints(cfg, cfg.run.directory(), _Ranks(), None, weight_hashes(model))
-    path = checkpoints.save(DriverState(2, 0, {}, 0.0, 0.0))
+    path = checkpoints.save(DriverState(2, {}, 0.0, 0.0))
     assert find_resume_point(cfg, "auto") == path
     save_file({"w": torch.ones(4, 2)}, model / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors has sha256"):

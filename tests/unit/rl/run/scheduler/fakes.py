@@ -1,7 +1,10 @@
 """Fake rollout workers, trainer and scorer for the scheduler's tests (rl.run.scheduler.loop ports).
 
-They run on threads with random millisecond delays, so completions arrive in every order the
-real workers could produce; the rollout's workers can die mid-generation.
+They run on threads with random millisecond delays and place work on random workers, so
+completions arrive in every order the real workers could produce; the rollout's workers can
+die mid-generation. What they compute (tokens, response lengths, scores, losses) depends only
+on the samples and the weights' version, as the real workers' seeded results do, so two runs
+must agree however their timings differ.
 """
 
 from __future__ import annotations
@@ -25,6 +28,15 @@ def token_at(sample: Sample, position: int) -> int:
     return sample.group_id * 1000 + sample.index * 100 + position
 
 
+def response_length(sample: Sample) -> int:
+    """Where the fake engine's sample ends (stop), from its ids alone."""
+    return random.Random(sample.group_id * 1000 + sample.index).randint(1, MAX_NEW_TOKENS)
+
+
+def score_of(sample: Sample) -> float:
+    return float(random.Random(sample.group_id * 7919 + sample.index).random() < 0.5)
+
+
 def _later(rng: random.Random, max_ms: float, fn) -> Future:
     future: Future = Future()
 
@@ -37,13 +49,14 @@ def _later(rng: random.Random, max_ms: float, fn) -> Future:
 
 
 class FakeRollout:
-    """Generates token by token on a thread per call; `interrupt` stops calls in flight.
+    """Generates token by token on a thread per call; a sample stops partial at its
+    `params.stop_length` short of its end.
 
     Samples are copied on `submit`, as Ray sends them: the driver keeps what it submitted.
     Up to `max_kills` times a worker dies while generating: its batches vanish and its poll
     raises WorkerLost until `replace`. A submission kills its worker a moment later with
     `kill_chance`; with `kill_at_sync`, a generating worker dies as a step finishes training
-    and as generation is interrupted for the sync (so while the sync waits)."""
+    (so while the sync waits)."""
 
     def __init__(
         self,
@@ -56,7 +69,6 @@ class FakeRollout:
         self.rng = rng
         self.num_workers = num_workers
         self.versions = [0] * num_workers
-        self.num_interrupts = 0
         self.asleep = False  # the KV cache released
         self.weights_asleep = False
         # Time-sliced devices: generating, or the KV cache coming back, while the trainer's
@@ -66,12 +78,11 @@ class FakeRollout:
         self.aborted_prefixes: dict[tuple[int, int], list[int]] = {}
         self.kill_chance, self.max_kills, self.kill_at_sync = kill_chance, max_kills, kill_at_sync
         self.dead = [False] * num_workers
-        # Each kill: (worker, trainer version, newest version served, interrupted) then.
-        self.kills: list[tuple[int, int, int, bool]] = []
+        # Each kill: (worker, trainer version, newest version served) then.
+        self.kills: list[tuple[int, int, int]] = []
         self.trainer_version: Callable[[], int] = lambda: 0
         self.scheduler_version: Callable[[], int] = lambda: 0  # the scheduler's rollout_version
         self._lock = threading.Lock()
-        self._interrupted = threading.Event()
         self._done: list[dict[int, list[Sample]]] = [{} for _ in range(num_workers)]
         self._polls: dict[int, Future] = {}
         self._active = [0] * num_workers  # calls generating per worker
@@ -102,10 +113,10 @@ class FakeRollout:
                 self._active[worker] += 1
                 epoch = self._epoch[worker]
             delays = [self.rng.uniform(0, 1.5) / 1000 for _ in range(MAX_NEW_TOKENS)]
-            lengths = [self.rng.randint(1, MAX_NEW_TOKENS) for _ in samples]
+            stops = [params.stop_length(sample) for sample in samples]
             threading.Thread(
                 target=self._generate,
-                args=(worker, epoch, key, samples, lengths, delays),
+                args=(worker, epoch, key, samples, stops, delays),
                 daemon=True,
             ).start()
             if self.rng.random() < self.kill_chance:
@@ -130,20 +141,22 @@ class FakeRollout:
             del self._polls[worker]
             future.set_result(finished)
 
-    def _generate(self, worker, epoch, key, samples, lengths, delays) -> None:
+    def _generate(self, worker, epoch, key, samples, stops, delays) -> None:
         for position in range(MAX_NEW_TOKENS):
             time.sleep(delays[position])
             if self._epoch[worker] != epoch:
                 return  # the worker died: so did this call
-            for sample, length in zip(samples, lengths, strict=True):
-                if sample.finish_reason or len(sample.response_ids) >= length:
+            for sample, stop in zip(samples, stops, strict=True):
+                if sample.finish_reason:
                     continue
-                if self._interrupted.is_set():
-                    sample.finish_reason = "abort"
-                    continue
-                sample.response_ids.append(token_at(sample, len(sample.response_ids)))
-                sample.logprobs.append(-1.0)
-                sample.token_versions.append(self.versions[worker])
+                if len(sample.response_ids) >= response_length(sample):
+                    sample.finish_reason = "stop"
+                elif len(sample.response_ids) >= stop:
+                    sample.finish_reason = "abort"  # a stop_every point: resumes later
+                else:
+                    sample.response_ids.append(token_at(sample, len(sample.response_ids)))
+                    sample.logprobs.append(-1.0 - 0.1 * self.versions[worker])
+                    sample.token_versions.append(self.versions[worker])
         for sample in samples:
             if not sample.finish_reason:
                 sample.finish_reason = "stop"
@@ -162,8 +175,7 @@ class FakeRollout:
         with self._lock:
             if self.dead[worker] or not self._active[worker] or len(self.kills) >= self.max_kills:
                 return
-            interrupted = self._interrupted.is_set()
-            self.kills.append((worker, self.trainer_version(), max(self.versions), interrupted))
+            self.kills.append((worker, self.trainer_version(), max(self.versions)))
             self.dead[worker] = True
             self._epoch[worker] += 1
             self._active[worker], self._done[worker] = 0, {}
@@ -182,13 +194,6 @@ class FakeRollout:
             self.dead[worker] = False
             self.versions[worker] = version
 
-    def interrupt(self) -> int:
-        self.num_interrupts += 1
-        self._interrupted.set()
-        if self.kill_at_sync:
-            self.kill_generating()
-        return 0
-
     def release_memory(self) -> None:
         with self._lock:
             assert self.num_active == 0, "memory released while samples were generating"
@@ -206,7 +211,6 @@ class FakeRollout:
         with self._lock:
             assert self.num_active == 0, "weights changed while samples were generating"
             assert not any(self.dead), "weights pushed while a lost worker was not replaced"
-        self._interrupted.clear()
         self.versions = [version] * self.num_workers
 
 
@@ -225,10 +229,13 @@ class FakeTrainer:
     num_checkpoints: int = 0
     replacements: list[tuple[int, int]] = field(default_factory=list)  # (worker, version)
     running: int = 0  # annotate and train calls not returned yet
+    # (version, the (group, index) of each sample) per annotate call
+    annotate_calls: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
 
     def annotate(self, samples: list[Sample]) -> Future:
         version = self.version
         self._compute()
+        self.annotate_calls.append((version, [(s.group_id, s.index) for s in samples]))
 
         def fill() -> list[Sample]:
             for sample in samples:
@@ -253,7 +260,11 @@ class FakeTrainer:
             self.running -= 1
             if self.rollout.kill_at_sync:  # the sync is due, and must wait for the loss
                 self.rollout.kill_generating()
-            return {"train/loss": 0.0}
+            # Depends on every token, version and score, in the order given, as a loss does.
+            loss = 0.0
+            for sample, score in zip(samples, scores, strict=True):
+                loss = loss * 0.5 + score + sum(sample.logprobs) * 1e-3 + sum(sample.response_ids)
+            return {"train/loss": loss}
 
         return _later(self.rng, 3, step_done)
 
@@ -294,6 +305,7 @@ class FakeScorer:
         self.rng = rng
 
     def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
-        scores = [[float(self.rng.random() < 0.5) for _ in samples] for samples, _ in groups]
-        num_samples = sum(len(samples) for samples, _ in groups)
-        return _later(self.rng, 1, lambda: (scores, {"reward/errors": float(num_samples)}))
+        scores = [[score_of(sample) for sample in samples] for samples, _ in groups]
+        flat = [score for group in scores for score in group]
+        metrics = {"reward/errors": float(len(flat)), "reward/accuracy": sum(flat) / len(flat)}
+        return _later(self.rng, 1, lambda: (scores, metrics))

@@ -1,0 +1,75 @@
+"""Groups in flight as a checkpoint records them: exact round trips (through JSON text, as
+written), agent episodes with their environment's state, and refusal of anything else."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from rl.agents.environment import Environment
+from rl.agents.episode import Episode
+from rl.checkpoint.in_flight import in_flight_from_json, in_flight_to_json
+from rl.run.scheduler.prompt_groups import Group, InFlight
+from rl.types import Sample
+
+
+class _StatefulEnv(Environment):
+    def __init__(self, state: bytes, turn: int) -> None:
+        self._state, self.turn = state, turn
+
+
+def _through_json(state: InFlight, env_class: type[Environment] | None = None) -> InFlight:
+    text = json.dumps(in_flight_to_json(state))
+    return in_flight_from_json(json.loads(text), "ckpt/driver.json (in_flight)", env_class)
+
+
+def _state(sample: Sample, kept: bool | None = True) -> InFlight:
+    group = Group(3, 5, {"prompt": "1+2", "answer": "3"}, [sample], [1.0], kept, {"reward/x": 0.5})
+    return InFlight(next_group_id=9, admission={"5": [4, 1, 0]}, groups=[group])
+
+
+def test_a_scored_group_comes_back_with_every_token_logprob_and_version_exactly() -> None:
+    logprobs = [-0.1, -1 / 3, -2.718281828459045e-7]  # floats JSON must not round
+    sample = Sample([1, 2], 3, 0, [7, 8, 9], logprobs, [1, 1, 2], "stop", "789")
+    sample.old_logprobs = [0.0, 0.0, 0.0]  # an annotation: computed again on resume
+    back = _through_json(_state(sample))
+    assert back.next_group_id == 9 and back.admission == {"5": [4, 1, 0]}
+    (group,) = back.groups
+    assert (group.group_id, group.step, group.scores, group.kept) == (3, 5, [1.0], True)
+    assert group.reward_metrics == {"reward/x": 0.5} and not group.annotated
+    restored = group.samples[0]
+    assert restored.logprobs == logprobs and restored.token_versions == [1, 1, 2]
+    assert restored.response_ids == [7, 8, 9] and restored.old_logprobs is None
+
+
+def test_a_partial_episode_comes_back_with_its_environment_state() -> None:
+    env = _StatefulEnv(b"\x80\x04pickled by a sandboxed worker\x00", turn=2)
+    episode = Episode(env, [{"role": "user", "content": "hi"}], None, turn_start=4, num_turns=1)
+    episode.errors = Counter({"timeout": 1})
+    sample = Sample([1], 3, 1, [5, 6, 7, 8, 9, 10], [-1.0] * 6, [0] * 6, "abort")
+    sample.loss_mask, sample.episode = [1, 1, 0, 0, 1, 1], episode
+    (group,) = _through_json(_state(sample, kept=None), _StatefulEnv).groups
+    restored = group.samples[0]
+    assert restored.is_partial and group.kept is None and restored.loss_mask == sample.loss_mask
+    assert isinstance(restored.episode.env, _StatefulEnv)
+    assert restored.episode.env._state == env._state and restored.episode.env.turn == 2
+    assert restored.episode.errors == Counter({"timeout": 1})
+    assert restored.episode.turn_start == 4 and restored.episode.messages == episode.messages
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda r: r["groups"][0]["samples"][0].update(logprobs=["-1.0"]),
+        lambda r: r["groups"][0].update(step="5"),
+        lambda r: r["groups"][0]["samples"][0].update(__class__="os.system"),
+        lambda r: r.update(next_group_id=None),
+    ],
+)
+def test_a_tampered_record_is_refused_naming_where(tamper) -> None:
+    record = json.loads(json.dumps(in_flight_to_json(_state(Sample([1], 3, 0, [2], [-1.0], [0])))))
+    tamper(record)
+    with pytest.raises(ValueError, match=r"ckpt/driver.json \(in_flight\) is not a record"):
+        in_flight_from_json(record, "ckpt/driver.json (in_flight)", None)
