@@ -337,7 +337,10 @@ def _describe_overlap(cfg: Config) -> str:
         how = f"{correction} against proximal log-probs taken from the training forward"
     else:
         how = f"{correction} against proximal log-probs recomputed by a trainer pass"
+    partial = cfg.scheduler.partial_rollout
+    if partial == "abort":
+        partial += f" every {cfg.scheduler.abort_every} tokens"
     return (
         f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
-        f"partial_rollout={cfg.scheduler.partial_rollout}; off-policy correction: {how}"
+        f"partial_rollout={partial}; off-policy correction: {how}"
     )

@@ -89,9 +89,12 @@ class Admission:
         }
 
     def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        """Counts of a checkpoint's steps; those past num_steps (a resumed run shortened) are
+        left out."""
         for step, counts in state.items():
-            assert int(step) in self.steps, f"step {step} is not ahead of the checkpoint"
-            self.steps[int(step)] = StepSlots(*counts)
+            if int(step) <= self.num_steps:
+                assert int(step) in self.steps, f"step {step} is not ahead of the checkpoint"
+                self.steps[int(step)] = StepSlots(*counts)
 
     def retire(self, step: int) -> StepSlots:
         """Forget a step once it has trained; returns its counts."""

@@ -111,6 +111,8 @@ class Scheduler:
             self._num_groups = in_flight.next_group_id
             self.admission.load_state_dict(in_flight.admission)
             for group in in_flight.groups:
+                if group.step > settings.num_steps:  # a resumed run shortened
+                    continue
                 if group.kept is None:
                     self._partial.append(group)  # resumes first, as after that sync
                 else:

@@ -45,12 +45,13 @@ def _run(
     kill_at_sync: bool = False,
     max_restarts: int = 3,
     in_flight: dict | None = None,
+    num_steps: int = 5,
 ):
-    """A 5-step run; `seed` draws the timings and placements only. `in_flight`: resume at
+    """A `num_steps`-step run; `seed` draws the timings and placements only. `in_flight`: resume at
     `start_version` from a state the run recorded (as JSON, as a checkpoint holds it)."""
     rng = random.Random(seed)
     settings = Settings(
-        num_steps=5,
+        num_steps=num_steps,
         groups_per_step=3,
         group_size=2,
         max_staleness=k,
@@ -221,6 +222,30 @@ def test_a_scheduler_resumed_at_any_sync_continues_exactly(k: int, partial: str)
         # The resumed run draws prompts from where the original stood at that sync.
         first_new = scheduler.states[step]["next_group_id"]
         assert resumed[0].drawn == [g for g in scheduler.drawn if g >= first_new]
+
+
+def test_a_resumed_run_may_stop_before_the_steps_its_checkpoint_had_in_flight() -> None:
+    # At step 2 with k = 2, groups of steps 3 and 4 are in flight; resumed with num_steps 3
+    # (run length is a change a resume may make), step 3 trains the groups the checkpoint
+    # held for it and step 4's are left out. (Later groups differ from the longer run's: the
+    # ids step 4 took there go to step 3's replacements.)
+    scheduler, _, original, _ = _run(1, k=2, partial="abort", dynamic=True, annotate=True)
+    state = scheduler.states[2]
+    assert any(group["step"] == 4 for group in state["groups"])
+    _, _, trainer, logged = _run(
+        seed=7,
+        k=2,
+        partial="abort",
+        dynamic=True,
+        annotate=True,
+        start_version=2,
+        in_flight=state,
+        num_steps=3,
+    )
+    assert [step for step, _ in logged] == [3] and list(trainer.trained) == [3]
+    held = {g["group_id"] for g in state["groups"] if g["step"] == 3}
+    held &= {sample.group_id for sample in original.trained[3]}
+    assert held and held <= {sample.group_id for sample in trainer.trained[3]}
 
 
 def test_on_policy_never_trains_while_generating() -> None:
