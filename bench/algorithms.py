@@ -38,6 +38,9 @@ def main(argv: list[str]) -> None:
         f"run.num_steps={num_steps}",
         "run.eval_every=0",
         "run.output_dir=runs/bench-algorithms",
+        # On-policy, as docs/benchmarks.md measured them: the comparison is of algorithms,
+        # not of how stale their samples are (the recipes overlap, max_staleness 1).
+        "scheduler.max_staleness=0",
         *extra,
     ]
     rows = []

@@ -51,6 +51,8 @@ def train(recipe: str, name: str, overrides: list[str]) -> tuple[list[dict], flo
         "run.output_dir=runs/bench-lora",
         "run.wandb_mode=disabled",
         "run.export_hf=false",
+        # On-policy, as docs/benchmarks.md measured it (the recipes overlap, max_staleness 1).
+        "scheduler.max_staleness=0",
     ]
     cfg = load_config(REPO / recipe, args)
     run_dir = clear_run(cfg)
