@@ -5,13 +5,14 @@ side in one run.
                                           [--abort-every 4]
 
 The baseline is checked out as a git worktree under .cache/bench/ and run with this venv
-(PYTHONPATH points the driver and its Ray workers at its code). For each seed, recipe (the
-demo, recipes/grpo_addition_cpu.yaml, and bench/recipes/time_to_accuracy.yaml) and
-partial_rollout (finish; abort, with `scheduler.abort_every` here, where the baseline aborts
-at each sync), both trees run `rl train` at max_staleness 1 for --steps steps, interleaved, so
-the machine's drift hits both alike. Prints markdown for docs/benchmarks.md: median seconds
-per step (`time/step_s`, evaluation steps left out), steps per hour, the ratio, the pool's
-overlap and the held-out accuracy at the end.
+(PYTHONPATH points the driver and its Ray workers at its code). For each seed and recipe (the
+demo, recipes/grpo_addition_cpu.yaml, and bench/recipes/time_to_accuracy.yaml), `rl train`
+runs at max_staleness 1 for --steps steps, interleaved so the machine's drift hits all alike:
+the baseline with partial_rollout finish and abort (an interrupt at each sync, then), this
+tree with finish, abort (at `scheduler.abort_every` = --abort-every tokens) and interrupt.
+Prints markdown for docs/benchmarks.md: median seconds per step (`time/step_s`, evaluation
+steps left out), steps per hour, the ratio to the baseline's mode of the same kind, the
+pool's overlap and the held-out accuracy at the end.
 """
 
 from __future__ import annotations
@@ -91,40 +92,55 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--abort-every", type=int, default=4)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    parser.add_argument("--modes", nargs="+", default=["finish", "abort", "interrupt"])
     args = parser.parse_args(argv)
-    trees = {"baseline": worktree(args.baseline), "deterministic": REPO}
+    baseline = worktree(args.baseline)
+    # (code, partial_rollout, the baseline's mode it is compared with); the baseline's abort
+    # interrupted generation at each sync.
+    runs = [
+        ("baseline", "finish", "finish"),
+        ("current", "finish", "finish"),
+        ("baseline", "abort", "abort"),
+        ("current", "abort", "abort"),
+        ("current", "interrupt", "abort"),
+    ]
+    runs = [run_ for run_ in runs if run_[2] in args.modes or run_[1] in args.modes]
     results: dict[tuple[str, str, str], list[dict]] = {}
     for seed in args.seeds:
         for recipe in args.recipes:
-            for partial in ("finish", "abort"):
-                for label, tree in trees.items():
-                    overrides = [
-                        f"run.num_steps={args.steps}",
-                        f"run.seed={seed}",
-                        f"run.eval_every={args.steps}",
-                        "scheduler.max_staleness=1",
-                        f"scheduler.partial_rollout={partial}",
-                    ]
-                    if label == "deterministic" and partial == "abort":
-                        overrides.append(f"scheduler.abort_every={args.abort_every}")
-                    name = f"bench-determinism-{recipe}-{partial}-{label}-s{seed}"
-                    result = summary(run(tree, RECIPES[recipe], name, overrides))
-                    results.setdefault((recipe, partial, label), []).append(result)
-                    print(name, json.dumps(result), flush=True)
+            for code, partial, _ in runs:
+                overrides = [
+                    f"run.num_steps={args.steps}",
+                    f"run.seed={seed}",
+                    f"run.eval_every={args.steps}",
+                    "scheduler.max_staleness=1",
+                    f"scheduler.partial_rollout={partial}",
+                ]
+                if code == "current" and partial == "abort":
+                    overrides.append(f"scheduler.abort_every={args.abort_every}")
+                name = f"bench-determinism-{recipe}-{partial}-{code}-s{seed}"
+                tree = baseline if code == "baseline" else REPO
+                result = summary(run(tree, RECIPES[recipe], name, overrides))
+                results.setdefault((recipe, partial, code), []).append(result)
+                print(name, json.dumps(result), flush=True)
     print(f"\nbaseline: {args.baseline}; {args.steps} steps at max_staleness 1, seeds {args.seeds}")
     print(
-        "\n| recipe | partial_rollout | scheduler | median s/step (per seed) | steps/hour "
+        "\n| recipe | partial_rollout | code | median s/step (per seed) | steps/hour "
         "| vs baseline | overlap | accuracy at the end (per seed) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for (recipe, partial, label), runs in results.items():
-        s_per_step = statistics.mean(r["s_per_step"] for r in runs)
-        base = statistics.mean(r["s_per_step"] for r in results[recipe, partial, "baseline"])
-        per_seed = ", ".join(f"{r['s_per_step']:.3f}" for r in runs)
-        accuracy = ", ".join("-" if r["accuracy"] is None else f"{r['accuracy']:.1%}" for r in runs)
-        overlap = statistics.mean(r["overlap"] for r in runs)
+    against = {(code, partial): mode for code, partial, mode in runs}
+    for (recipe, partial, code), measured in results.items():
+        s_per_step = statistics.mean(r["s_per_step"] for r in measured)
+        reference = results[recipe, against[code, partial], "baseline"]
+        base = statistics.mean(r["s_per_step"] for r in reference)
+        per_seed = ", ".join(f"{r['s_per_step']:.3f}" for r in measured)
+        accuracy = ", ".join(
+            "-" if r["accuracy"] is None else f"{r['accuracy']:.1%}" for r in measured
+        )
+        overlap = statistics.mean(r["overlap"] for r in measured)
         print(
-            f"| {recipe} | {partial} | {label} | {s_per_step:.3f} ({per_seed}) "
+            f"| {recipe} | {partial} | {code} | {s_per_step:.3f} ({per_seed}) "
             f"| {3600 / s_per_step:,.0f} | {base / s_per_step:.2f}x | {overlap:.0%} | {accuracy} |"
         )
 

@@ -11,8 +11,11 @@ observation's, never decoded and re-encoded (rl.agents.trajectory).
 Episodes end at the environment's word (by default, the first turn without a tool call), at
 `agent.max_turns`, or when the response would pass `rollout.max_new_tokens` (finish_reason
 "length"). With `stop_every` (deterministic abort points, rl.run.scheduler.loop) a turn stops
-partial when the trajectory's length reaches a multiple of it, and the episode resumes from
-there under the next policy version, on any worker, since a sample carries its episode.
+partial when the trajectory's length reaches a multiple of it; an interrupt (a weight sync
+under partial_rollout "interrupt") aborts the turns being generated and stops the episodes
+waiting for tools once their observation is in. Either way the episode comes back partial
+and resumes from there under the next policy version, on any worker, since a sample carries
+its episode.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ class AgentLoop:
         self.generation = generation
         self.engine = generation.engine
         self.tokenizer, self.cfg, self.tools = tokenizer, cfg, tools
+        self._interrupted = False
         self._batches = FinishedBatches()
 
     def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
         """Start every batch's episodes; `poll` hands each batch back once all are done."""
+        self._interrupted = False
         for key, samples in batches.items():
             task = asyncio.get_running_loop().create_task(self._episodes(samples, params))
             task.add_done_callback(partial(self._batches.settle, key))
@@ -54,7 +59,13 @@ class AgentLoop:
         return await self._batches.poll()
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        self._interrupted = False
         return await self._episodes(samples, params)
+
+    def interrupt(self) -> int:
+        """Abort the turns being generated; episodes between turns stop before the next."""
+        self._interrupted = True
+        return self.generation.interrupt()
 
     async def _episodes(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         for sample in samples:
@@ -73,9 +84,12 @@ class AgentLoop:
         episode = sample.episode
         assert episode is not None
         while True:
+            if self._interrupted:
+                sample.finish_reason = "abort"
+                return
             await self.generation.generate([sample], params)
             if sample.is_partial:
-                return  # stopped mid-turn at a stop_every point: resumes from its tokens
+                return  # stopped mid-turn (stop_every, or an interrupt): resumes from its tokens
             turn = end_turn(self.tokenizer, sample)
             if sample.finish_reason == "length":
                 break

@@ -2,7 +2,7 @@
 
 The driver streams work in small calls (a group of samples each) so that finished groups come
 back while the long tail is still generating. Every engine call happens on the event loop's
-thread, between steps, so a weight update never interleaves with a step.
+thread, between steps, so a weight update or an abort never interleaves with a step.
 """
 
 from __future__ import annotations
@@ -94,8 +94,15 @@ class GenerationLoop:
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         """Generate `samples` alongside everything else in flight, outside the polled batches;
-        returns them in order once each has finished or stopped partial (`stop_every`)."""
+        returns them in order once each has finished or stopped partial (`stop_every`, or an
+        `interrupt`)."""
         return await self._start([samples], params)[0].done
+
+    def interrupt(self) -> int:
+        """Abort every running sample; their batches come back partial. Returns how many."""
+        aborted = self.engine.abort()
+        self._settle(aborted)
+        return len(aborted)
 
     def _start(self, batches: list[list[Sample]], params: SamplingParams) -> list[_Call]:
         self.engine.start([sample for samples in batches for sample in samples], params)
@@ -113,7 +120,7 @@ class GenerationLoop:
         try:
             while self.engine.num_running:
                 self._settle(self.engine.step())
-                # Let other calls in between steps: new work, polls, weight updates.
+                # Let other calls in between steps: new work, interrupts, weight updates.
                 await asyncio.sleep(0)
         except Exception as exc:  # handed to every waiting caller, who raise it
             self._fail(exc)

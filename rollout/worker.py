@@ -74,7 +74,8 @@ class RolloutWorker:
 
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         """Generate fresh or partial `samples` (see the engine's start); returns them once each
-        has finished, or stopped at a `params.stop_every` point (then partial, to resume later)."""
+        has finished, or stopped at a `params.stop_every` point or by `interrupt` (then partial,
+        to resume later)."""
         assert self._loop is not None, "call ready() first"
         return await self._loop.generate(samples, params)
 
@@ -88,6 +89,11 @@ class RolloutWorker:
         at least one)."""
         assert self._loop is not None, "call ready() first"
         return await self._loop.poll()
+
+    async def interrupt(self) -> int:
+        """Abort every sample being generated; returns how many were."""
+        assert self._loop is not None, "call ready() first"
+        return self._loop.interrupt()
 
     async def close(self) -> None:
         """Stop what this process started: the engine (vLLM's TP worker processes and their

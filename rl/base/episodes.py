@@ -82,6 +82,9 @@ class _GreedyTurns:
         self.model, self.tokenizer = model, tokenizer
         self._queue: list[tuple[Sample, asyncio.Future]] = []
 
+    def interrupt(self) -> int:
+        return 0
+
     async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         futures = []
         for sample in samples:

@@ -1,7 +1,7 @@
 """The driver's view of the rollout workers: create them, spread samples over them, gather.
 
 A worker whose process dies surfaces as `WorkerLost` from its poll; calls that reach every
-worker (memory) skip a dead one, so the scheduler learns of it in one place.
+worker (interrupt, memory) skip a dead one, so the scheduler learns of it in one place.
 """
 
 from __future__ import annotations
@@ -146,6 +146,10 @@ class RolloutReplicas:
         )
         self._polls.append((index, future))
         return future
+
+    def interrupt(self) -> int:
+        """Abort everything being generated (the futures then return partial samples)."""
+        return sum(self._on_live_workers("interrupt"))
 
     def release_memory(self) -> None:
         """Every engine frees its device memory for a colocated trainer (no-op on CPU)."""

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # What a weight sync does to the generations in flight (scheduler.partial_rollout).
-PartialRollout = Literal["finish", "abort"]
+PartialRollout = Literal["finish", "abort", "interrupt"]
 
 
 class Section(BaseModel):
@@ -65,8 +65,10 @@ class SchedulerConfig(Section):
     partial_rollout: PartialRollout = Field(
         "finish",
         description="k >= 1: a sample generated for a later step than the next finishes under "
-        "the policy version it started with, or (abort) stops every abort_every tokens and "
-        "resumes under the next version with its prefix kept.",
+        "the policy version it started with (finish), or stops every abort_every tokens "
+        "(abort) or wherever it is when a weight sync comes due (interrupt: the sync never "
+        "waits, but runs are not reproducible) and resumes under the next version with its "
+        "prefix kept.",
     )
     abort_every: int = Field(
         64,

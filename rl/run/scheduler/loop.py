@@ -20,6 +20,9 @@ follow from the configuration and the seed, never from which future finished fir
   `abort_every` (SamplingParams.stop_every) and resumes under the next version: the abort
   point is fixed by its length, not by a clock. What it costs: a sync waits for the segments
   in flight to reach that point, and a sample that reached it waits for the sync.
+  partial_rollout "interrupt" is the exception, kept for speed: a sync that comes due aborts
+  what is generating wherever it is (RolloutPort.interrupt), so it never waits, and where
+  samples stop, hence what is trained, depends on timing.
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
 admission's counts) is what a checkpoint records, so a resumed run continues exactly.
 
@@ -95,7 +98,8 @@ class Scheduler:
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
         self._polled: set[int] = set()
         self._finished: dict[int, list[Group]] = {}  # step -> scored groups, kept or not
-        self._partial: list[Group] = []  # groups stopped at an abort point: the next version's
+        self._partial: list[Group] = []  # groups stopped partial: the next version's
+        self._interrupted = False  # generation aborted for the sync that is due
         # Groups may start for every step admission allows (at a sync), or else only for the
         # next step (module docstring).
         self._at_sync = True
@@ -227,7 +231,7 @@ class Scheduler:
             by_index = {sample.index: sample for sample in samples}
             group.samples = [by_index.get(s.index, s) for s in group.samples]
             if any(sample.is_partial for sample in group.samples):
-                self._partial.append(group)  # at an abort point: resumes after the next sync
+                self._partial.append(group)  # stopped partial: resumes after the next sync
                 continue
             # One scoring call per group, so a step's reward metrics add up its groups' in
             # id order, however they finished.
@@ -358,7 +362,12 @@ class Scheduler:
         return self.trainer_version > self.rollout_version and not self._trainer_busy()
 
     def _sync_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
-        if not self._sync_pending() or self._is_generating() or self._is_scoring():
+        if not self._sync_pending() or self._is_scoring():
+            return
+        if self._is_generating():
+            if self.settings.partial_rollout == "interrupt" and not self._interrupted:
+                self.rollout.interrupt()
+                self._interrupted = True
             return
         version = self.trainer_version
         lanes = ["trainer", *(f"rollout-{i}" for i in range(self.rollout.num_workers))]
@@ -379,7 +388,7 @@ class Scheduler:
         metrics["rollout/version"] = float(version)
         for lane in lanes:
             self.trace.end(lane, "sync")
-        self.rollout_version, self._at_sync = version, True
+        self.rollout_version, self._at_sync, self._interrupted = version, True, False
         metrics.update(self.on_version(version))
         self._resume_waiting()
         now = time.perf_counter()

@@ -71,6 +71,9 @@ class RolloutPort(Protocol):
         """Future of {key: samples} of every batch `worker` finished (or aborted) since its
         last poll, once there is at least one; it raises WorkerLost if the worker died."""
 
+    def interrupt(self) -> int:
+        """Abort what every live worker generates (a dead one is skipped: its poll tells)."""
+
     def release_memory(self) -> None:
         """Free the engines' weights and KV cache on the devices (time-sliced GPUs)."""
 

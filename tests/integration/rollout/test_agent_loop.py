@@ -224,6 +224,13 @@ class Recording:
         self._record(aborted)
         return aborted
 
+    def mid_turn(self, min_steps: int) -> Sample | None:
+        """A sample generating a turn after an observation, `min_steps` steps into it."""
+        for sample, _, step in self._running.values():
+            if sample.episode.num_turns >= 1 and self.num_steps - step >= min_steps:
+                return sample
+        return None
+
     def _record(self, samples: list[Sample]) -> None:
         for s in samples:
             _, start, _ = self._running.pop(id(s))
@@ -399,9 +406,9 @@ def test_multi_turn_logprobs_match_transformers_and_observations_are_inserted(
     )
 
 
-# -- 2. stopped mid-turn at an abort point, resumed here or on another worker ------------------
+# -- 2. stopped mid-turn, resumed here or on another worker ---------------------------------
 
-TURN_TOKENS = 3  # how far into a turn after an observation the abort point comes
+TURN_TOKENS = 3  # how far into a turn after an observation it stops (at least, interrupted)
 
 
 def _abort_point(samples: list[Sample]) -> int:
@@ -415,15 +422,19 @@ def _abort_point(samples: list[Sample]) -> int:
     raise AssertionError("no episode has a second turn long enough to stop in")
 
 
-@pytest.mark.parametrize("engine_name", ["torch", "vllm"])
-def test_a_turn_stopped_at_an_abort_point_comes_back_partial_and_resumes_on_any_worker(
-    engines: Engines, tokenizer, tools: ToolPool, engine_name: str
+@pytest.mark.parametrize(
+    "engine_name, how",
+    [("torch", "abort point"), ("vllm", "abort point"), ("torch", "interrupt")],
+)
+def test_a_turn_stopped_mid_way_comes_back_partial_and_resumes_on_any_worker(
+    engines: Engines, tokenizer, tools: ToolPool, engine_name: str, how: str
 ) -> None:
-    """Seeds (SamplingParams.seed_of) move on with the response length at every generate
-    call, a resumed turn's included, so a resumed episode need not end as the uninterrupted
-    one. What a seeded run guarantees: the same tokens as the uninterrupted run up to the
-    abort point, the same episodes for those that finished before it, and a resumption that
-    gives the same tokens on whichever worker resumes it."""
+    """Stopped at an abort point (`stop_every`), or by an interrupt once a turn after an
+    observation is TURN_TOKENS steps in. Seeds (SamplingParams.seed_of) move on with the
+    response length at every generate call, a resumed turn's included, so a resumed episode
+    need not end as the uninterrupted one. What a seeded run guarantees: the same tokens as
+    the uninterrupted run up to the stop, the same episodes for those that finished before
+    it, and a resumption that gives the same tokens on whichever worker resumes it."""
     params = _params(seed=11, n=2)
     engine = Recording(engines.shared(engine_name, "untied"))
     uninterrupted = _samples(
@@ -439,7 +450,15 @@ def test_a_turn_stopped_at_an_abort_point_comes_back_partial_and_resumes_on_any_
     pieces_at_interrupt: dict[tuple[int, int], int] = {}
 
     async def stopped_then_resumed() -> None:
-        loop.start(batches, dataclasses.replace(params, stop_every=stop_every))
+        if how == "abort point":
+            loop.start(batches, dataclasses.replace(params, stop_every=stop_every))
+        else:
+            loop.start(batches, params)
+            deadline = time.monotonic() + HANG_GUARD_S
+            while engine.mid_turn(TURN_TOKENS) is None:
+                assert time.monotonic() < deadline, "no turn after an observation ran long enough"
+                await asyncio.sleep(0)
+            assert loop.interrupt() >= 1
         assert await _collect(loop, set(batches)) == batches
         for key, samples in batches.items():
             if kept := [s for s in samples if s.is_partial]:
@@ -447,12 +466,13 @@ def test_a_turn_stopped_at_an_abort_point_comes_back_partial_and_resumes_on_any_
         at_interrupt.update(
             ((s.group_id, s.index), s) for s in pickle.loads(pickle.dumps(_samples(partial)))
         )
-        # One stopped TURN_TOKENS into a turn after an observation; each at the abort point.
+        # One stopped TURN_TOKENS (interrupted: at least) into a turn after an observation.
         assert any(
-            s.episode.num_turns >= 1 and len(s.response_ids) - s.episode.turn_start == TURN_TOKENS
+            s.episode.num_turns >= 1 and len(s.response_ids) - s.episode.turn_start >= TURN_TOKENS
             for s in at_interrupt.values()
         )
-        assert all(len(s.response_ids) % stop_every == 0 for s in at_interrupt.values())
+        if how == "abort point":  # each stopped exactly at one
+            assert all(len(s.response_ids) % stop_every == 0 for s in at_interrupt.values())
         pieces_at_interrupt.update((key, len(pieces)) for key, pieces in engine.pieces.items())
         # Resumed as the driver resumes them: the partial samples only.
         loop.start(partial, params)

@@ -64,6 +64,20 @@ def test_batches_that_finish_together_come_back_in_one_poll() -> None:
     assert [len(s.response_ids) for s in second[12]] == [3, 3]
 
 
+def test_an_interrupt_hands_back_partial_samples_with_their_tokens() -> None:
+    async def run() -> dict:
+        engine = FakeEngine()
+        loop = GenerationLoop(engine)
+        loop.start({7: _batch(5)}, PARAMS)
+        while engine.num_steps < 2:
+            await asyncio.sleep(0)
+        assert loop.interrupt() == 2
+        return await loop.poll()
+
+    samples = asyncio.run(run())[7]
+    assert all(s.is_partial and s.response_ids == [1, 2] for s in samples)
+
+
 def test_generate_waits_for_its_own_samples_beside_polled_batches() -> None:
     async def run() -> tuple[list[Sample], dict]:
         loop = GenerationLoop(FakeEngine())

@@ -365,18 +365,61 @@ def _stopped_at_an_abort_point(worker: ActorHandle, params: SamplingParams) -> l
     return ray.get(worker.generate.remote(batch, stopping), timeout=60)
 
 
-@pytest.mark.parametrize("setup", ["llama-tied-tp1", "qwen2-tied-torch"], indirect=True)
-def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(setup: Setup) -> None:
-    """A partial rollout: stopped at an abort point before a sync, resumed under the new weights;
-    its prefix stays, each token records the version that sampled it, and each token's
-    behaviour log-prob is that version's."""
+def _interrupted_after_two_steps(
+    worker: ActorHandle, version: int, params: SamplingParams
+) -> list[Sample]:
+    """32 fresh samples started on `worker` and interrupted once the engine has taken two
+    steps, whatever the machine's speed: a pacer sample started with them, 2 tokens short of
+    `params.max_new_tokens`, finishes at the second step (a step samples a token for every
+    running sample), and the interrupt goes out as soon as its batch comes back. The other
+    samples then have about 2 of their up to 56 tokens."""
+    batch = fresh_samples([[5, 6, 7]] * 32, 1, list(range(32)))
+    done = params.max_new_tokens - 2
+    pacer = Sample([5, 6, 7], group_id=100, response_ids=[8] * done, logprobs=[-1.0] * done)
+    pacer.token_versions, pacer.finish_reason = [version] * done, "abort"  # a partial sample
+    # One call, so both are in the engine's first step; straight to the worker, so both are
+    # on the same engine (RolloutReplicas.submit spreads batches over workers).
+    ray.get(worker.start.remote({0: batch, 1: [pacer]}, params))
+    finished = ray.get(worker.poll.remote(), timeout=60)
+    assert 1 in finished, "the long batch finished before the pacer"
+    ray.get(worker.interrupt.remote())
+    while 0 not in finished:
+        finished |= ray.get(worker.poll.remote(), timeout=60)
+    assert finished[1][0].finish_reason in ("stop", "length")  # the pacer was not aborted
+    return finished[0]
+
+
+@pytest.mark.parametrize(
+    "setup, how",
+    [
+        ("llama-tied-tp1", "abort point"),
+        ("qwen2-tied-torch", "abort point"),
+        ("llama-tied-tp1", "interrupt"),
+    ],
+    indirect=["setup"],
+)
+def test_an_aborted_generation_resumes_under_new_weights_with_its_prefix(
+    setup: Setup, how: str
+) -> None:
+    """A partial rollout: stopped at an abort point, or interrupted as a sync comes due;
+    resumed under the new weights, its prefix stays, each token records the version that
+    sampled it, and each token's behaviour log-prob is that version's."""
     worker = setup.rollout.workers[0]
     version = ray.get(worker.version.remote())
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=56, seed=5)
-    samples = _stopped_at_an_abort_point(worker, params)
-    partial = [s for s in samples if s.is_partial]
-    assert partial and all(len(s.response_ids) == STOP_EVERY for s in partial)
-    assert all(s.finish_reason == "stop" for s in samples if len(s.response_ids) < STOP_EVERY)
+    if how == "abort point":
+        samples = _stopped_at_an_abort_point(worker, params)
+        partial = [s for s in samples if s.is_partial]
+        assert partial and all(len(s.response_ids) == STOP_EVERY for s in partial)
+        assert all(s.finish_reason == "stop" for s in samples if len(s.response_ids) < STOP_EVERY)
+    else:
+        # A try misses only if the interrupt's round trip outlasts the rest of the generation.
+        for _ in range(3):
+            samples = _interrupted_after_two_steps(worker, version, params)
+            partial = [s for s in samples if s.is_partial and s.response_ids]
+            if partial:
+                break
+        assert partial, "no generation was caught mid-way"
     prefixes = [list(s.response_ids) for s in partial]
 
     _large_update(setup)

@@ -50,13 +50,13 @@ def _later(rng: random.Random, max_ms: float, fn) -> Future:
 
 class FakeRollout:
     """Generates token by token on a thread per call; a sample stops partial at its
-    `params.stop_length` short of its end.
+    `params.stop_length` short of its end, or when `interrupt` stops calls in flight.
 
     Samples are copied on `submit`, as Ray sends them: the driver keeps what it submitted.
     Up to `max_kills` times a worker dies while generating: its batches vanish and its poll
     raises WorkerLost until `replace`. A submission kills its worker a moment later with
     `kill_chance`; with `kill_at_sync`, a generating worker dies as a step finishes training
-    (so while the sync waits)."""
+    and as generation is interrupted for the sync (so while the sync waits)."""
 
     def __init__(
         self,
@@ -69,6 +69,7 @@ class FakeRollout:
         self.rng = rng
         self.num_workers = num_workers
         self.versions = [0] * num_workers
+        self.num_interrupts = 0
         self.asleep = False  # the KV cache released
         self.weights_asleep = False
         # Time-sliced devices: generating, or the KV cache coming back, while the trainer's
@@ -83,6 +84,7 @@ class FakeRollout:
         self.trainer_version: Callable[[], int] = lambda: 0
         self.scheduler_version: Callable[[], int] = lambda: 0  # the scheduler's rollout_version
         self._lock = threading.Lock()
+        self._interrupted = threading.Event()
         self._done: list[dict[int, list[Sample]]] = [{} for _ in range(num_workers)]
         self._polls: dict[int, Future] = {}
         self._active = [0] * num_workers  # calls generating per worker
@@ -151,7 +153,7 @@ class FakeRollout:
                     continue
                 if len(sample.response_ids) >= response_length(sample):
                     sample.finish_reason = "stop"
-                elif len(sample.response_ids) >= stop:
+                elif len(sample.response_ids) >= stop or self._interrupted.is_set():
                     sample.finish_reason = "abort"  # a stop_every point: resumes later
                 else:
                     sample.response_ids.append(token_at(sample, len(sample.response_ids)))
@@ -194,6 +196,13 @@ class FakeRollout:
             self.dead[worker] = False
             self.versions[worker] = version
 
+    def interrupt(self) -> int:
+        self.num_interrupts += 1
+        self._interrupted.set()
+        if self.kill_at_sync:
+            self.kill_generating()
+        return 0
+
     def release_memory(self) -> None:
         with self._lock:
             assert self.num_active == 0, "memory released while samples were generating"
@@ -211,6 +220,7 @@ class FakeRollout:
         with self._lock:
             assert self.num_active == 0, "weights changed while samples were generating"
             assert not any(self.dead), "weights pushed while a lost worker was not replaced"
+        self._interrupted.clear()
         self.versions = [version] * self.num_workers
 
 

@@ -119,7 +119,7 @@ def _run(
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-@pytest.mark.parametrize("partial", ["finish", "abort"])
+@pytest.mark.parametrize("partial", ["finish", "abort", "interrupt"])
 def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
     k: int, partial: str
 ) -> None:
@@ -161,6 +161,8 @@ def test_random_timings_keep_staleness_bounded_and_every_group_trained_once(
         assert started == scheduler._num_groups
         if partial == "finish":  # every sample generated under the version it started with
             assert not rollout.aborted_prefixes
+        if partial != "interrupt":  # the syncs waited for the generation in flight
+            assert rollout.num_interrupts == 0
 
 
 def _overlap(scheduler: Scheduler) -> float:
@@ -259,13 +261,14 @@ def test_staleness_one_generates_the_next_step_while_training() -> None:
     assert max(_overlap(scheduler) for scheduler, *_ in runs) > 0.0
 
 
-def test_abort_resumes_partial_samples_with_newer_tokens() -> None:
+@pytest.mark.parametrize("partial", ["abort", "interrupt"])
+def test_partial_samples_resume_with_newer_tokens(partial: str) -> None:
     resumed = 0
     for seed in range(20):
-        _, rollout, trainer, _ = _run(seed, k=2, partial="abort", dynamic=False, annotate=False)
+        _, rollout, trainer, _ = _run(seed, k=2, partial=partial, dynamic=False, annotate=False)
         for samples in trainer.trained.values():
             resumed += sum(len(set(s.token_versions)) > 1 for s in samples)
-    assert resumed > 0, "no sample stopped at an abort point: the abort path went untested"
+    assert resumed > 0, "no sample stopped partial: the path went untested"
 
 
 def test_time_sliced_engines_and_trainer_take_turns_holding_the_devices() -> None:
@@ -310,7 +313,13 @@ def test_workers_lost_as_a_sync_comes_due_are_replaced_by_the_sync() -> None:
     lost_pending = 0
     for seed in range(12):
         _, rollout, trainer, logged = _run(
-            seed, k=2, partial="abort", dynamic=False, annotate=True, max_kills=3, kill_at_sync=True
+            seed,
+            k=2,
+            partial="interrupt",
+            dynamic=False,
+            annotate=True,
+            max_kills=3,
+            kill_at_sync=True,
         )
         assert len(logged) == 5
         lost_pending += sum(trained > served for _, trained, served in rollout.kills)
