@@ -44,7 +44,8 @@ def main(argv: list[str]) -> None:
     base_info = json.loads((Path(cfg.model.path) / "base_info.json").read_text())
 
     def median(key: str) -> float:
-        return statistics.median(r[key] for r in steps)
+        # At max_staleness 1 the last step has no generation of its own: no busy_s_generate.
+        return statistics.median(r[key] for r in steps if key in r)
 
     rows = [
         ("recipe", f"`{recipe} {' '.join(overrides)}`".replace(" `", "`")),
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> None:
         ("  train s (busy)", f"{median('perf/busy_s_train'):.2f}"),
         ("  weight sync s", f"{median('time/sync_s'):.3f}"),
         ("median device-pool busy fraction", f"{median('perf/busy_fraction'):.0%}"),
+        ("median overlap of generation and training", f"{median('perf/overlap_fraction'):.0%}"),
         ("median generated tokens/s", f"{median('perf/gen_tokens_per_s'):.0f}"),
     ]
     print("| metric | value |\n|---|---|")
