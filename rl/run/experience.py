@@ -2,8 +2,8 @@
 
 `StreamingScorer` scores one group at a time (with DAPO's overlong shaping) off the driver's
 thread; `TrainerSide` computes the model annotations a step needs (proximal and reference
-log-probs, values) as groups arrive, then builds the batch (advantages, KL penalty, off-policy
-weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
+log-probs, values) once its groups are in, then builds the batch (advantages, KL penalty,
+off-policy weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
 read, and tested, in one place.
 """
 
