@@ -26,6 +26,8 @@ import yaml
 
 from rl.checkpoint.store import list_checkpoints, verify
 from rl.observe.metrics import is_measurement
+from rl.sync.shared_memory import remove_stale_slots
+from rollout.engines.vllm_shm import remove_dead_engines_segments
 from tests.helpers.repo import REPO
 from tests.helpers.tiny_runs import tiny_run_tree
 from tests.helpers.waiting import HANG_GUARD_S, wait_until_delivered
@@ -195,6 +197,10 @@ def test_a_second_signal_exits_at_once_leaving_no_process_and_every_checkpoint_w
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+        # A killed run cannot remove its shared memory; the next run's start removes a dead
+        # owner's segments, as this does for the run this test killed.
+        remove_stale_slots()
+        remove_dead_engines_segments()
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert checkpoints, "no checkpoint was written before the signals"
     for checkpoint in checkpoints:
