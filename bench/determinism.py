@@ -58,7 +58,7 @@ def run(tree: Path, recipe: str, name: str, overrides: list[str]) -> dict:
         "checkpoint.every=0",
         "checkpoint.save_final=false",
     ]
-    clear_run(load_config(REPO / recipe, args))
+    run_dir = clear_run(load_config(REPO / recipe, args))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     subprocess.run(
@@ -69,7 +69,6 @@ def run(tree: Path, recipe: str, name: str, overrides: list[str]) -> dict:
         stdout=subprocess.DEVNULL,
     )
     wall_s = time.perf_counter() - start
-    run_dir = load_config(REPO / recipe, args).run.directory()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"records": [r for r in records if r["step"] > 0], "wall_s": wall_s}
 
