@@ -4,14 +4,19 @@ model directory and prompt files.
 
 - throughput (bench/recipes/throughput_25m.yaml): a random ~25M-parameter Qwen2, 32 prompts
   x 8 samples, up to 128 new tokens ending at a sampled EOS; one warm-up step, then the
-  timed ones. Seconds per step, generated tokens/s (over generation time and over the whole
-  step), trained tokens/s (prompt + response tokens over training time), peak memory of the
-  whole process tree (PSS, sampled), mean reward.
+  timed ones. Tandem runs twice, synchronous (scheduler.max_staleness 0) and overlapped
+  (max_staleness 1: step n+1 generates while step n trains). Seconds per step, generated
+  tokens/s (over generation time and over the whole step), trained tokens/s (prompt +
+  response tokens over training time), peak memory of the whole process tree (PSS,
+  sampled), mean reward.
 - time to accuracy (bench/recipes/time_to_accuracy.yaml): from the demo's ~1M SFT base, the
   training seconds (start-up and evaluations excluded) until held-out greedy accuracy on the
   same 500 prompts first reaches 80%.
 
-    .venv/bin/python bench/vs_trl.py [--only throughput|accuracy] [--write-docs]
+    .venv/bin/python bench/vs_trl.py [--only throughput|accuracy] [--dtype float32] [--write-docs]
+
+--dtype replaces both recipes' compute dtype on both sides, for a CPU without native bf16
+matmuls (no AVX-512 BF16 or AMX), where bf16 is emulated and measures the emulation.
 
 Prints the tables, keeps the raw results in .cache/bench/vs_trl.json, and with
 --write-docs replaces the section between the markers in docs/benchmarks.md.
@@ -218,10 +223,10 @@ def throughput_summary(all_steps: list[dict], warmup: int) -> dict:
     }
 
 
-def trl_workload(recipe: str, model: Path, num_steps: int) -> list[str]:
+def trl_workload(recipe: str, overrides: list[str], model: Path, num_steps: int) -> list[str]:
     """bench/trl/trl_grpo.py's arguments for `recipe`'s workload, as its Tandem run has it:
     prompts, batch shape, learning rate, response length and compute dtype."""
-    cfg = load_config(recipe, [])
+    cfg = load_config(recipe, overrides)
     return [
         *("--model", str(model), "--data", str(data_file(recipe, "train"))),
         *("--steps", str(num_steps), "--prompts-per-step", str(cfg.run.prompts_per_step)),
@@ -230,15 +235,29 @@ def trl_workload(recipe: str, model: Path, num_steps: int) -> list[str]:
     ]
 
 
-def throughput(num_steps: int, warmup: int) -> dict:
+TANDEM_RUNS = {"tandem": 0, "tandem_k1": 1}  # result key: scheduler.max_staleness
+
+
+def throughput(num_steps: int, warmup: int, overrides: list[str]) -> dict:
     model = build_base(THROUGHPUT)
     total = num_steps + warmup
-    records, wall, peak = run_tandem(THROUGHPUT, [f"run.num_steps={total}"])
-    tandem = throughput_summary(tandem_steps(records), warmup) | {"wall_s": wall, "peak_mib": peak}
-    trl_args = [*trl_workload(THROUGHPUT, model, total), "--micro-batch-size", "64"]
+    results = {}
+    for key, k in TANDEM_RUNS.items():
+        # At max_staleness k a run's last k steps generate nothing ahead (there is no later
+        # step), so they are run but not timed: every timed step pays for the generation it
+        # overlaps, as in a longer run.
+        records, wall, peak = run_tandem(
+            THROUGHPUT, [*overrides, f"run.num_steps={total + k}", f"scheduler.max_staleness={k}"]
+        )
+        timed = [r for r in tandem_steps(records) if r["step"] <= total]
+        results[key] = throughput_summary(timed, warmup) | {"wall_s": wall, "peak_mib": peak}
+    trl_args = [*trl_workload(THROUGHPUT, overrides, model, total), "--micro-batch-size", "64"]
     result, wall, peak = run_trl(trl_args)
-    trl = throughput_summary(trl_steps(result), warmup) | {"wall_s": wall, "peak_mib": peak}
-    return {"tandem": tandem, "trl": trl, "num_parameters": result["num_parameters"]}
+    results["trl"] = throughput_summary(trl_steps(result), warmup) | {
+        "wall_s": wall,
+        "peak_mib": peak,
+    }
+    return results | {"num_parameters": result["num_parameters"]}
 
 
 def time_to(steps: list[dict], target: float) -> dict:
@@ -254,13 +273,13 @@ def time_to(steps: list[dict], target: float) -> dict:
     return {"step": None, "seconds": seconds, "accuracy": None} | best | {"num_steps": len(steps)}
 
 
-def time_to_accuracy(target: float) -> dict:
-    cfg = load_config(ACCURACY, [])
+def time_to_accuracy(target: float, overrides: list[str]) -> dict:
+    cfg = load_config(ACCURACY, overrides)
     model = build_base(ACCURACY)
-    records, _, _ = run_tandem(ACCURACY, [], stop_when_accuracy=target)
+    records, _, _ = run_tandem(ACCURACY, overrides, stop_when_accuracy=target)
     tandem = time_to(tandem_steps(records), target) | {"before": records[0]["eval/accuracy"]}
     trl_args = [
-        *trl_workload(ACCURACY, model, cfg.run.num_steps),
+        *trl_workload(ACCURACY, overrides, model, cfg.run.num_steps),
         *("--eval-data", str(data_file(ACCURACY, "test"))),
         *("--num-eval-prompts", str(cfg.run.num_eval_prompts)),
         *("--eval-every", str(cfg.run.eval_every), "--target-accuracy", str(target)),
@@ -282,13 +301,22 @@ def throughput_table(r: dict) -> str:
         ("mean reward (timed steps)", "reward", "{:.3f}", None),
         ("wall time incl. start-up (s)", "wall_s", "{:.0f}", False),
     ]
-    lines = ["| metric | Tandem | TRL | Tandem / TRL |", "|---|---|---|---|"]
+    lines = [
+        "| metric | Tandem k = 0 | Tandem k = 1 | TRL | k = 0 / TRL | k = 1 / TRL |",
+        "|---|---|---|---|---|---|",
+    ]
+    trl = r["trl"]
     for label, key, fmt, higher_is_better in rows:
-        tandem, trl = r["tandem"][key], r["trl"][key]
-        ratio = f"{tandem / trl:.2f}x" if higher_is_better is not None and trl else "-"
-        lines.append(f"| {label} | {fmt.format(tandem)} | {fmt.format(trl)} | {ratio} |")
-    steps_per_hour = r["trl"]["seconds_per_step"] / r["tandem"]["seconds_per_step"]
-    lines.append(f"| **steps per hour, Tandem / TRL** | | | **{steps_per_hour:.2f}x** |")
+        cells = [fmt.format(r[side][key]) for side in (*TANDEM_RUNS, "trl")]
+        ratios = [
+            f"{r[side][key] / trl[key]:.2f}x" if higher_is_better is not None and trl[key] else "-"
+            for side in TANDEM_RUNS
+        ]
+        lines.append(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+    per_hour = [
+        f"**{trl['seconds_per_step'] / r[side]['seconds_per_step']:.2f}x**" for side in TANDEM_RUNS
+    ]
+    lines.append(f"| **steps per hour, Tandem / TRL** | | | | {' | '.join(per_hour)} |")
     return "\n".join(lines)
 
 
@@ -331,14 +359,16 @@ def main() -> None:
     parser.add_argument("--only", choices=("throughput", "accuracy"))
     parser.add_argument("--steps", type=int, default=5, help="timed throughput steps")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: the recipe's")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
+    overrides = [f"model.dtype={args.dtype}"] if args.dtype else []
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.only in (None, "throughput"):
-        results["throughput"] = throughput(args.steps, args.warmup)
+        results["throughput"] = throughput(args.steps, args.warmup, overrides)
     if args.only in (None, "accuracy"):
-        results["accuracy"] = time_to_accuracy(TARGET_ACCURACY)
+        results["accuracy"] = time_to_accuracy(TARGET_ACCURACY, overrides)
     RESULTS.write_text(json.dumps(results, indent=2))
     sections = []
     if "throughput" in results:
@@ -349,9 +379,11 @@ def main() -> None:
         )
     if "accuracy" in results:
         sections.append(f"Time to accuracy: `{ACCURACY}`.\n\n{accuracy_table(results['accuracy'])}")
+    command = " ".join(["bench/vs_trl.py", *(["--dtype", args.dtype] if args.dtype else [])])
     text = (
-        f"Command: `make bench` (`.venv/bin/python bench/vs_trl.py --write-docs`), "
-        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores.\n\n" + "\n\n".join(sections)
+        f"Command: `.venv/bin/python {command} --write-docs`, {time.strftime('%Y-%m-%d')}, "
+        f"{os.cpu_count()} CPU cores, compute dtype {args.dtype or 'as the recipes'}.\n\n"
+        + "\n\n".join(sections)
     )
     print(text)
     if args.write_docs:

@@ -85,6 +85,9 @@ class PolicyTrainer(RoleRank):
         if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
             self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
         self.sender: WeightSender | None = None  # set by open_weight_sender
+        # Per bucket, a host copy of the rows last sent with the model's own weights
+        # (SchedulerConfig.keeps_pushed_weights): the version the rollout serves.
+        self.pushed_rows: dict[int, dict[str, torch.Tensor]] = {}
         self.loss_scale = loss_scale_for(cfg.model.dtype)
         self.optimizer, self.scheduler = adamw_with_warmup(
             [p for p in self.policy.parameters() if p.requires_grad],
@@ -272,14 +275,22 @@ class PolicyTrainer(RoleRank):
         self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)
 
     def write_weight_bucket(
-        self, bucket: int, replicas: list[int] | None = None
+        self, bucket: int, replicas: list[int] | None = None, pushed: bool = False
     ) -> dict[str, float]:
         """Send this rank's rows of `bucket` to rollout engines `replicas` (None: all; see
-        `WeightSender.write`); not collective."""
+        `WeightSender.write`): the model's own, or (`pushed`) the copy kept when they were
+        last sent, while the model has trained on since. Not collective."""
+        if pushed:
+            return self.sender.write(bucket, self.pushed_rows[bucket], replicas)
         if bucket == 0:
             self.residency.ensure_on_device()
             reshard(self.policy)  # the sender reads the shards
-        return self.sender.write(bucket, replicas)
+        rows = self.sender.rows(bucket)
+        if self.cfg.scheduler.keeps_pushed_weights:
+            self.pushed_rows[bucket] = {
+                name: tensor.to("cpu", copy=True) for name, tensor in rows.items()
+            }
+        return self.sender.write(bucket, rows, replicas)
 
     def export_hf(self, out_dir: str) -> None:
         """Write the policy as an HF checkpoint (safetensors, config, tokenizer) to `out_dir`;

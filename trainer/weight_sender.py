@@ -61,9 +61,19 @@ class WeightSender:
         self._base_rss = 0
 
     @torch.no_grad()
-    def write(self, bucket: int, replicas: list[int] | None = None) -> dict[str, float]:
-        """Send this rank's rows of `bucket` to rollout engines `replicas` (None: all). The
-        model must be resharded (FSDP2 swaps in full parameters while unsharded).
+    def rows(self, bucket: int) -> dict[str, torch.Tensor]:
+        """This rank's rows of each tensor of `bucket`, as the model holds them now. The model
+        must be resharded (FSDP2 swaps in full parameters while unsharded)."""
+        params = dict(self._model.named_parameters())
+        return {
+            spec.name: self._rows(params[spec.name].detach()) for spec in self._plan.buckets[bucket]
+        }
+
+    def write(
+        self, bucket: int, rows: dict[str, torch.Tensor], replicas: list[int] | None = None
+    ) -> dict[str, float]:
+        """Send `rows` (of `bucket`: `rows()` now, or a copy kept from an earlier push) to
+        rollout engines `replicas` (None: all).
 
         Returns the seconds it took and the peak extra resident bytes since bucket 0.
         """
@@ -71,11 +81,7 @@ class WeightSender:
         if bucket == 0:
             self._base_rss = rss_bytes()
             reset_peak_rss()
-        params = dict(self._model.named_parameters())
-        local = {
-            spec.name: self._rows(params[spec.name].detach()) for spec in self._plan.buckets[bucket]
-        }
-        self._channel.write(bucket, local, replicas)
+        self._channel.write(bucket, rows, replicas)
         return {
             "seconds": time.perf_counter() - start,
             "peak_extra_bytes": float(max(peak_rss_bytes() - self._base_rss, 0)),

@@ -92,9 +92,9 @@ class TrainWorker(RankWorker):
         self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
 
     def write_weight_bucket(
-        self, bucket: int, replicas: list[int] | None = None
+        self, bucket: int, replicas: list[int] | None = None, pushed: bool = False
     ) -> dict[str, float]:
-        return self.trainer.write_weight_bucket(bucket, replicas)
+        return self.trainer.write_weight_bucket(bucket, replicas, pushed)
 
     def device_name(self) -> str:
         """This rank's accelerator ("NVIDIA H200", ...), or "cpu"."""

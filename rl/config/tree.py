@@ -82,6 +82,14 @@ class SchedulerConfig(Section):
         """Roles take turns on the same devices: colocated and on-policy (k = 0)."""
         return self.placement == "colocate" and self.max_staleness == 0
 
+    @property
+    def keeps_pushed_weights(self) -> bool:
+        """Generation runs while the trainer trains (k >= 1), so each trainer rank keeps a
+        host copy of the rows it last pushed: a rollout worker lost meanwhile is replaced on
+        the version the rollout serves, and the run stays exact. It costs host memory for one
+        more copy of the trained parameters, split over the ranks."""
+        return self.max_staleness >= 1
+
 
 class RunConfig(Section):
     name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")

@@ -183,6 +183,7 @@ class TrainerSide:
         self.needs_annotation = (
             recomputes_old_logprobs(cfg) or cfg.algorithm.kl_coef > 0 or critic is not None
         )
+        self.keeps_pushed_weights = cfg.scheduler.keeps_pushed_weights
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         try:  # the sizes MFU is counted from; other architectures report no MFU
             self._shape: ModelShape | None = ModelShape.read(Path(cfg.model.path))
@@ -230,7 +231,8 @@ class TrainerSide:
 
     def replace_rollout_worker(self, worker: int, version: int) -> None:
         """A fresh rollout worker for a lost one, serving `version`. Like `push`, on the
-        driver's thread while this side's thread is idle, so the ranks stream that version."""
+        driver's thread while this side's thread is idle, so the ranks stream that version
+        (their weights, or their copies of the last push: WeightSync.replace)."""
         self.weight_sync.replace([worker], version)
 
     def close(self) -> None:

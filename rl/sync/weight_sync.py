@@ -6,7 +6,9 @@ memory on one node, where the next bucket is written while the current one is re
 group across nodes). A rollout worker lost mid-update is dropped from it, replaced by a fresh
 engine and sent the whole current version (over a gloo group, which the loss breaks, the group
 is re-formed first and every worker left behind gets the version); one lost while generating
-is replaced the same way (`replace`), when the scheduler finds the trainer idle.
+is replaced the same way (`replace`), when the scheduler finds the trainer idle: with the
+trainer's weights if it has not trained since the last push, or else (overlapped runs,
+SchedulerConfig.keeps_pushed_weights) with the copy of that push each trainer rank keeps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class WeightSync:
 
     def __init__(self, cfg: Config, trainers: PolicyRanks, rollout: RolloutReplicas) -> None:
         self._trainers, self._rollout = trainers.workers, rollout
+        self._keeps_pushed = cfg.scheduler.keeps_pushed_weights
+        self.pushed_version = 0  # the rollout's checkpoint until the first push
         tensors, shape = ray.get(self._trainers[0].weight_sync_spec.remote())
         # What a sync of the whole model moves, in fp32: with LoRA a sync sends far less.
         self.full_model_bytes = 4 * ray.get(self._trainers[0].num_model_params.remote())
@@ -97,8 +101,11 @@ class WeightSync:
             ]
         )
 
-    def stream(self, version: int, indices: list[int] | None = None) -> Iterator[int]:
-        """Send `version` to rollout workers `indices` (default all); yields each bucket index
+    def stream(
+        self, version: int, indices: list[int] | None = None, pushed: bool = False
+    ) -> Iterator[int]:
+        """Send `version` to rollout workers `indices` (default all): the trainer's weights,
+        or (`pushed`) the ranks' copies of the last push. Yields each bucket index
         once every live receiver has applied it (the last one, and closed the update). Workers
         that die are dropped and listed in `self.failed`; the others serve `version` when the
         stream ends, except over a transport whose members joined together (a gloo group):
@@ -110,7 +117,7 @@ class WeightSync:
         start = time.perf_counter()
         num_buckets = len(self.plan.buckets)
         pipelined = self._traits.pipelined
-        writes = self._write(0, indices)
+        writes = self._write(0, indices, pushed)
         write_stats: list[dict[str, float]] = []
         finished: list[dict[str, float]] = []
         num_bytes = write_s = 0.0
@@ -125,7 +132,7 @@ class WeightSync:
             if pipelined and not last:
                 # Written while this bucket loads: its slot held bucket - 1, which every
                 # receiver applied before this bucket started.
-                writes = self._write(bucket + 1, indices)
+                writes = self._write(bucket + 1, indices, pushed)
             applied = self._gather(receivers, applying)
             if not pipelined:  # the sends complete as the receivers take them
                 write_stats = self._settle(writes)
@@ -133,7 +140,7 @@ class WeightSync:
                     break  # the group lost a member: nothing more can cross it
                 write_s += max(stat["seconds"] for stat in write_stats)
                 if not last:
-                    writes = self._write(bucket + 1, indices)
+                    writes = self._write(bucket + 1, indices, pushed)
             num_bytes += max((bucket_bytes for bucket_bytes, _ in applied), default=0)
             if last:
                 finished = [closed for _, closed in applied]
@@ -155,9 +162,9 @@ class WeightSync:
             "weight_sync/rollout_load_s": max((f["load_s"] for f in finished), default=0.0),
         }
 
-    def _write(self, bucket: int, indices: list[int]) -> list[ray.ObjectRef]:
+    def _write(self, bucket: int, indices: list[int], pushed: bool) -> list[ray.ObjectRef]:
         """Every trainer rank sends its rows of `bucket` to rollout workers `indices`."""
-        return [w.write_weight_bucket.remote(bucket, indices) for w in self._trainers]
+        return [w.write_weight_bucket.remote(bucket, indices, pushed) for w in self._trainers]
 
     def _settle(self, writes: list[ray.ObjectRef]) -> list[dict[str, float]]:
         """The trainer ranks' write stats. After a receiver of a joined group was lost, their
@@ -195,24 +202,29 @@ class WeightSync:
         self._send_whole(behind, version)
 
     def replace(self, indices: list[int], version: int) -> None:
-        """Replace rollout workers `indices` (dead or not) by fresh engines serving `version`,
-        which the trainer ranks must hold (nothing else may run on them meanwhile). Version 0
-        is the checkpoint a fresh engine loads: nothing is sent."""
+        """Replace rollout workers `indices` (dead or not) by fresh engines serving `version`
+        (nothing else may run on the trainer ranks meanwhile): the last one pushed, from the
+        ranks' copies where they keep them, else the one the ranks hold. Version 0 is the
+        checkpoint a fresh engine loads: nothing is sent."""
+        assert not (self._keeps_pushed and version not in (0, self.pushed_version)), (
+            f"replaced at version {version}, last pushed {self.pushed_version}"
+        )
         for index in indices:
             self._rollout.restart(index)
         self._connect(indices)
-        self._send_whole(indices if version else [], version)
+        self._send_whole(indices if version else [], version, pushed=self._keeps_pushed)
 
-    def _send_whole(self, indices: list[int], version: int) -> None:
+    def _send_whole(self, indices: list[int], version: int, pushed: bool = False) -> None:
         if not indices:
             return
-        for _ in self.stream(version, indices):
+        for _ in self.stream(version, indices, pushed):
             pass
         if self.failed:
             raise RuntimeError(f"rollout workers {self.failed} died again receiving {version}")
 
     def push(self, version: int) -> dict[str, float]:
         """Every rollout worker serves `version` on return (lost ones are replaced)."""
+        self.pushed_version = version  # from the first bucket on, the ranks' copies hold it
         for _ in self.stream(version):
             pass
         metrics = dict(self.metrics)

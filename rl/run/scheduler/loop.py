@@ -26,11 +26,12 @@ follow from the configuration and the seed, never from which future finished fir
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
 admission's counts) is what a checkpoint records, so a resumed run continues exactly.
 
-A rollout worker lost mid-generation is replaced on the rollout's weights; its groups start
-again from what the driver holds: fresh samples (same seeds), partial ones from their prefix.
-Replaced while the trainer holds the rollout's version (idle since the last sync), the run
-stays exact; lost while a step trains, its groups wait for that step's sync and generate under
-the newer version.
+A rollout worker lost mid-generation is replaced on the rollout's weights once the trainer is
+idle; its groups start again from what the driver holds: fresh samples (same seeds), partial
+ones from their prefix, so the run stays exact. At k = 0 the trainer holds those weights (it
+trains only once nothing generates); at k >= 1 it has usually trained on since the last sync,
+and streams the copy of that sync's weights its ranks keep (TrainerPort.keeps_pushed_weights).
+The next sync waits for the lost groups as for any other.
 
 The workers are reached through three small ports, so tests drive the same loop with fakes;
 they and the loop's `Settings` are in rl.run.scheduler.ports; a group, the checkpointed state
@@ -287,20 +288,19 @@ class Scheduler:
             )
 
     def _replace_lost(self) -> None:
-        """Replace lost workers now if the trainer holds the rollout's weights (idle, no step
-        trained since the last sync), then start the held groups. Once a step has trained the
-        trainer holds newer weights: the sync replaces them instead (`_sync_if_due`)."""
-        if not self._lost or self._trainer_busy() or self._sync_pending():
+        """Replace lost workers on the rollout's weights once the trainer is idle (module
+        docstring), then start the held groups."""
+        if not self._lost or self._trainer_busy():
             return
-        self._replace(self.rollout_version)
+        assert self.trainer_version == self.rollout_version or self.trainer.keeps_pushed_weights, (
+            "a step trained while generating, and the trainer kept no copy of the rollout's weights"
+        )
+        for worker in sorted(self._lost):
+            with self.trace.span(f"rollout-{worker}", "sync", self.rollout_version):
+                self.trainer.replace_rollout_worker(worker, self.rollout_version)
+        self._lost.clear()
         held, self._held = self._held, []
         self._generate(held)
-
-    def _replace(self, version: int) -> None:
-        for worker in sorted(self._lost):
-            with self.trace.span(f"rollout-{worker}", "sync", version):
-                self.trainer.replace_rollout_worker(worker, version)
-        self._lost.clear()
 
     # -- training -----------------------------------------------------------------------
 
@@ -374,8 +374,7 @@ class Scheduler:
         for lane in lanes:
             self.trace.begin(lane, "sync", version)
         sync_start = time.perf_counter()
-        if self._lost:  # fresh engines on the base weights: the push brings them to `version`
-            self._replace(0)
+        assert not self._lost, "a sync before the lost workers' replacement (_replace_lost)"
         self.turns.for_push()
         metrics = self.trainer.push(version)
         self.turns.to_rollout()

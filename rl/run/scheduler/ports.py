@@ -86,6 +86,9 @@ class RolloutPort(Protocol):
 
 class TrainerPort(Protocol):
     needs_annotation: bool  # proximal/reference log-probs or values are computed before training
+    # The trainer can stream the version it last pushed after training on (a copy kept):
+    # SchedulerConfig.keeps_pushed_weights.
+    keeps_pushed_weights: bool
 
     def annotate(self, samples: list[Sample]) -> Future: ...
 
@@ -102,7 +105,8 @@ class TrainerPort(Protocol):
     def replace_rollout_worker(self, worker: int, version: int) -> None:
         """Replace rollout worker `worker` by a fresh one serving `version` (0: the base
         checkpoint, which a fresh worker loads anyway). Called only while no annotate or
-        train call runs, with `version` 0 or the trainer's own: the weights it streams."""
+        train call runs, with `version` 0, the trainer's own, or (keeps_pushed_weights) the
+        last pushed."""
 
 
 class ScorerPort(Protocol):

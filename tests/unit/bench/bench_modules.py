@@ -15,5 +15,8 @@ def load_bench_module(name: str) -> ModuleType:
         sys.path.append(str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered as the script would be imported, so that its dataclasses resolve their
+    # module and a process it spawns finds its functions by name.
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module

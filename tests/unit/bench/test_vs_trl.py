@@ -99,7 +99,7 @@ def test_the_time_ratio_is_a_bound_when_only_one_side_reaches_the_target():
 
 
 def test_trl_gets_the_recipes_workload_and_compute_dtype(tmp_path):
-    args = vs_trl.trl_workload(vs_trl.THROUGHPUT, tmp_path, num_steps=6)
+    args = vs_trl.trl_workload(vs_trl.THROUGHPUT, [], tmp_path, num_steps=6)
     options = dict(zip(args[::2], args[1::2], strict=True))
     cfg = vs_trl.load_config(vs_trl.THROUGHPUT, [])
     assert options["--steps"] == "6"
@@ -107,6 +107,24 @@ def test_trl_gets_the_recipes_workload_and_compute_dtype(tmp_path):
     assert options["--group-size"] == str(cfg.algorithm.group_size)
     assert options["--max-new-tokens"] == str(cfg.rollout.max_new_tokens)
     assert options["--dtype"] == cfg.model.dtype == "bfloat16"
+
+
+def test_a_dtype_override_reaches_trl_as_it_reaches_tandem(tmp_path):
+    args = vs_trl.trl_workload(vs_trl.ACCURACY, ["model.dtype=float32"], tmp_path, num_steps=6)
+    assert args[args.index("--dtype") + 1] == "float32"
+
+
+def test_the_throughput_table_sets_each_tandem_run_beside_trl():
+    def side(seconds: float) -> dict:
+        return {"seconds_per_step": seconds, "generated_tokens_per_step": 100.0,
+                "generate_tokens_per_s": 10.0, "step_tokens_per_s": 10.0,
+                "train_tokens_per_s": 10.0, "peak_mib": 1.0, "reward": 0.0, "wall_s": 1.0}  # fmt: skip
+
+    table = vs_trl.throughput_table(
+        {"tandem": side(8.0), "tandem_k1": side(5.0), "trl": side(20.0)}
+    )
+    assert "| seconds per step | 8.00 | 5.00 | 20.00 | 0.40x | 0.25x |" in table
+    assert table.endswith("| **steps per hour, Tandem / TRL** | | | | **2.50x** | **4.00x** |")
 
 
 def test_new_records_returns_each_complete_line_once(tmp_path):

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from rl.checkpoint.export import export_checkpoint
 from rl.config import Config
+from rl.observe.metrics import is_measurement
 from rl.run.driver import RunAborted, train
 from rl.sync.shared_memory import SHM_DIR, owner_tag
 from tests.helpers.models import build_checkpoint, remove_pad_token
@@ -322,12 +323,13 @@ def test_steps_with_a_nan_loss_are_skipped_and_too_many_stop_the_run_with_a_chec
 
 
 def _kill_a_trainer_rank_after(run_dir: Path, step: int) -> threading.Thread:
-    """Kills the last TrainWorker once step `step`'s checkpoint is in place."""
+    """Kills the last of this test's TrainWorkers once step `step`'s record is logged."""
 
     def kill() -> None:
-        while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or f'"step": {step},' not in metrics.read_text():
             time.sleep(0.05)
-        ranks = [p for p in psutil.process_iter(["cmdline"]) if _is_train_worker(p)]
+        ranks = [p for p in psutil.Process().children(recursive=True) if _is_train_worker(p)]
         os.kill(ranks[-1].pid, signal.SIGKILL)
 
     thread = threading.Thread(target=kill, daemon=True)
@@ -336,17 +338,28 @@ def _kill_a_trainer_rank_after(run_dir: Path, step: int) -> threading.Thread:
 
 
 def _is_train_worker(process: psutil.Process) -> bool:
-    cmdline = process.info["cmdline"] or [""]
-    return cmdline[0].startswith("ray::TrainWorker")
+    try:
+        return process.cmdline()[0].startswith("ray::TrainWorker")
+    except (psutil.Error, IndexError):
+        return False
 
 
-def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint(
+def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint_exactly(
     shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """Overlapped (max_staleness 1): killed once step 3 is logged, while step 4 trains and
+    nothing newer is checkpointed than step 2. The rebuilt run logs step 3 again, bit for bit
+    as the lost attempt did (its record is kept in metrics.replaced.jsonl)."""
     cfg = _config(
-        shared_dir, tmp_path, "trainer-killed", checkpoint={"every": 2}, run={"num_steps": 4}
+        shared_dir,
+        tmp_path,
+        "trainer-killed",
+        checkpoint={"every": 2},
+        run={"num_steps": 4},
+        scheduler={"max_staleness": 1},
     )
-    killer = _kill_a_trainer_rank_after(Path(cfg.run.output_dir) / "trainer-killed", step=2)
+    run_dir = Path(cfg.run.output_dir) / "trainer-killed"
+    killer = _kill_a_trainer_rank_after(run_dir, step=3)
     final, records = _run(cfg)
     killer.join(timeout=1)
     assert not killer.is_alive()
@@ -355,3 +368,12 @@ def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint(
     assert "step_000002 (restart 1/2)" in out
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert final["rollout/version"] == 4
+    lost = [
+        json.loads(line) for line in (run_dir / "metrics.replaced.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in lost] == [3]
+    assert _computed(records[3]) == _computed(lost[0])
+
+
+def _computed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not is_measurement(k)}

@@ -20,6 +20,7 @@ import ray
 from rl.checkpoint.resume import find_resume_point
 from rl.cluster.rollout_replicas import RolloutReplicas
 from rl.config import Config
+from rl.observe.metrics import is_measurement
 from rl.run.driver import train
 from rl.types import Sample, SamplingParams
 from tests.helpers.processes import child_pids
@@ -101,6 +102,40 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_the_run_complete
     assert max(gaps) < 1e-3, f"behaviour log-probs off the trainer's: {gaps}"
     assert final["rollout/version"] == 3
     assert 0.0 <= final["eval/accuracy"] <= 1.0
+
+
+def test_the_only_rollout_worker_killed_while_a_step_trains_is_replaced_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlapped (max_staleness 1), one rollout worker: it dies just as step 3's groups start
+    on it, while step 2 trains (no annotation: training starts at the sync, before the
+    submission). The replacement gets version 1 from the trainer ranks' copy of that push,
+    although they hold version 2 by then, and the run logs what an uninterrupted one does."""
+    sections = {
+        "rollout": {"num_workers": 1},
+        "scheduler": {"max_staleness": 1},
+        "algorithm": {"recompute_old_logprobs": False},
+    }
+    reference = _config(tmp_path / "shared", tmp_path, "uninterrupted", **sections)
+    train(reference)
+    cfg = _config(tmp_path / "shared", tmp_path, "rollout-lost-while-training", **sections)
+    served, killed, _ = _kill_at_step_2(monkeypatch)
+    train(cfg)
+
+    assert killed == [0]
+    # Steps 1 and 2 at version 0, step 3 at 1 (killed), step 3 again on the replacement at 1.
+    assert served == [[0], [1], [1]]
+    records = _records(cfg)
+    assert sum(r.get("rollout/workers_replaced", 0) for r in records) == 1
+    computed = [
+        {k: v for k, v in r.items() if not is_measurement(k) and k != "rollout/workers_replaced"}
+        for r in records
+    ]
+    expected = [
+        {k: v for k, v in r.items() if not is_measurement(k) and k != "rollout/workers_replaced"}
+        for r in _records(reference)
+    ]
+    assert computed == expected
 
 
 def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_exactly(

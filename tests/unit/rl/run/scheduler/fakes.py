@@ -229,6 +229,7 @@ class FakeTrainer:
     rng: random.Random
     rollout: FakeRollout
     needs_annotation: bool
+    keeps_pushed_weights: bool = False
     trained: dict[int, list[Sample]] = field(default_factory=dict)
     version: int = 0
     rollout_asleep_at_train: list[bool] = field(default_factory=list)
@@ -241,6 +242,9 @@ class FakeTrainer:
     running: int = 0  # annotate and train calls not returned yet
     # (version, the (group, index) of each sample) per annotate call
     annotate_calls: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pushed = self.version  # the version last pushed: a resumed run's rollout serves it
 
     def annotate(self, samples: list[Sample]) -> Future:
         version = self.version
@@ -299,12 +303,15 @@ class FakeTrainer:
         assert version == self.version
         self.on_device = True  # the sender reads the weights
         self.rollout.serve(version)
+        self.pushed = version
         return {"sync/s": 0.0}
 
     def replace_rollout_worker(self, worker: int, version: int) -> None:
-        # Only an idle trainer's weights are a version it can stream (0: the base checkpoint).
+        # Only an idle trainer's weights, or its copy of the last push, are a version it can
+        # stream (0: the base checkpoint).
         assert not self.running, "a rollout worker replaced while the trainer was running"
-        assert version in (0, self.version), f"replaced at {version}, trainer at {self.version}"
+        streamable = {0, self.version, *([self.pushed] if self.keeps_pushed_weights else [])}
+        assert version in streamable, f"replaced at {version}, trainer at {self.version}"
         self.replacements.append((worker, version))
         self.on_device = True
         self.rollout.replace(worker, version)

@@ -64,7 +64,11 @@ def _run(
     )
     rollout = FakeRollout(rng, 2, kill_chance, max_kills, kill_at_sync)
     rollout.versions = [start_version] * rollout.num_workers
-    trainer = FakeTrainer(rng, rollout, needs_annotation=annotate, version=start_version)
+    # As the trainer side does (SchedulerConfig.keeps_pushed_weights): overlapped, it keeps a
+    # copy of its last push.
+    trainer = FakeTrainer(
+        rng, rollout, needs_annotation=annotate, keeps_pushed_weights=k >= 1, version=start_version
+    )
     rollout.trainer_version = lambda: trainer.version
     rollout.time_sliced = release_memory
     rollout.trainer_on_device = lambda: trainer.on_device
@@ -307,24 +311,30 @@ def test_time_sliced_devices_go_back_to_the_engines_after_a_lost_worker_is_repla
     assert replaced > 0, "no worker was lost: the replacement path went untested"
 
 
-def test_workers_lost_as_a_sync_comes_due_are_replaced_by_the_sync() -> None:
-    # The sync waits for generation to end: a worker dying then must not stall it, and the
-    # replacement (trained weights not pushed yet) starts on the base ones, then gets the push.
-    lost_pending = 0
-    for seed in range(12):
-        _, rollout, trainer, logged = _run(
-            seed,
-            k=2,
-            partial="interrupt",
-            dynamic=False,
-            annotate=True,
-            max_kills=3,
-            kill_at_sync=True,
-        )
-        assert len(logged) == 5
-        lost_pending += sum(trained > served for _, trained, served in rollout.kills)
-        assert sorted(trainer.replacements) == sorted((worker, 0) for worker, *_ in rollout.kills)
-    assert lost_pending > 0, "no worker died while a sync waited"
+def test_workers_lost_while_a_step_trains_are_replaced_on_the_rollouts_version_exactly() -> None:
+    # Killed as a step finishes training (the trainer then holds newer weights than the
+    # rollout) or at random moments: the replacement streams the trainer's copy of the last
+    # push, the lost groups generate again under the version they started with, and the run
+    # trains and logs what a run without losses did.
+    def outcome(run: tuple) -> dict:
+        result = _outcome(run[0], run[2], run[3])
+        for _, metrics in result["metrics"]:
+            metrics.pop("rollout/workers_replaced")
+        return result
+
+    lost_after_training = 0
+    for k, partial in [(1, "finish"), (2, "finish"), (1, "abort"), (2, "abort")]:
+        expected = outcome(_run(1, k, partial, dynamic=True, annotate=True))
+        for seed in range(12):
+            kills = {"kill_at_sync": True} if seed % 2 else {"kill_chance": 0.3}
+            run = _run(seed, k, partial, dynamic=True, annotate=True, max_kills=3, **kills)
+            assert outcome(run) == expected, (k, partial, seed)
+            rollout, trainer = run[1], run[2]
+            assert [version for _, version in trainer.replacements] == [
+                served for *_, served in rollout.kills
+            ]
+            lost_after_training += sum(trained > served for _, trained, served in rollout.kills)
+    assert lost_after_training > 0, "no worker died after a step trained: the copy went unused"
 
 
 def test_a_worker_lost_while_the_trainer_is_idle_is_replaced_on_the_rollout_weights() -> None:
