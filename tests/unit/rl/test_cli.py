@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,19 +15,53 @@ from tests.helpers.repo import REPO, RUNTIME_ENV, shipped_recipes
 
 DEMO = "recipes/grpo_addition_cpu.yaml"
 
-# Runs the CLI in a fresh interpreter and proves no actor could have started: neither Ray nor
-# vLLM nor the driver was even imported.
-_PROBE = (
-    "import sys; from rl.cli import main; rc = main(sys.argv[1:]); "
-    "heavy = [m for m in ('ray', 'vllm', 'rl.run.driver') if m in sys.modules]; "
-    "assert not heavy, heavy; sys.exit(rc)"
-)
+# Runs the CLI in a fresh interpreter, once per argument list, and proves no actor could have
+# started: neither Ray nor vLLM nor the driver was even imported. One interpreter serves a
+# list: its imports cost about 2 s, a call after them milliseconds.
+_PROBE = """
+import contextlib, io, json, sys, traceback
+from rl.cli import main
+results = []
+for argv in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exit:  # argparse's errors and --help
+            rc = 0 if exit.code is None else exit.code
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    results.append({"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+heavy = [m for m in ("ray", "vllm", "rl.run.driver") if m in sys.modules]
+assert not heavy, heavy
+print(json.dumps(results))
+"""
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli_many(*argvs: list[str]) -> list[CliResult]:
+    """`rl ARGV` for each of `argvs`, in turn in one fresh interpreter from the repository root."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        input=json.dumps(argvs),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    return [CliResult(**result) for result in json.loads(probe.stdout.splitlines()[-1])]
+
+
+def run_cli(*args: str) -> CliResult:
+    return run_cli_many(list(args))[0]
 
 
 def test_unknown_override_key_names_key_file_and_closest_keys() -> None:
@@ -75,40 +110,53 @@ def test_frozen_pattern_matching_no_parameter_is_named(tiny_model_dir: Path) -> 
     assert "model.embed_tokens.weight" in result.stderr  # the names it could have meant
 
 
-@pytest.mark.parametrize(
-    "override",
-    [
-        "trainer.num_mini_batches=5",
-        "algorithm.group_size=1",
-        "algorithm.kl_estimator=k4",
-        "algorithm.loss_agg=sum",
-        "scheduler.rollout_devices=1",  # sizes the split placement only
-        "scheduler.max_staleness=-1",
-        "scheduler.devices_per_node=3",  # TP 2 groups would straddle nodes (with the next one)
-        "algorithm.off_policy=is",
-        "algorithm.dual_clip=0.5",
-        "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef
-        "algorithm.overlong_buffer=8",
-        "data.task=math",  # needs data files
-        "data.task=multiplication",
-        "reward.terms=[{name: nope}]",
-        "trainer.sharding=hybrid",  # without trainer.shard_group_size
-        "trainer.shard_group_size=2",  # sizes hybrid sharding only
-        "trainer.micro_batch_tokens=-1",
-        "scheduler.num_devices=2",  # with scheduler.placement=split below
-        "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
-        "rollout.engine=sglang",
-        "trainer.share_prompts=true",  # with trainer.packing=true below
-        "rollout.compile=true",  # with rollout.engine=torch below
-    ],
-)
-def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None:
+REJECTED = [
+    "trainer.num_mini_batches=5",
+    "algorithm.group_size=1",
+    "algorithm.kl_estimator=k4",
+    "algorithm.loss_agg=sum",
+    "scheduler.rollout_devices=1",  # sizes the split placement only
+    "scheduler.max_staleness=-1",
+    "scheduler.devices_per_node=3",  # TP 2 groups would straddle nodes (with the next one)
+    "algorithm.off_policy=is",
+    "algorithm.dual_clip=0.5",
+    "algorithm.kl_target=0.1",  # needs kl_in_reward and a kl_coef
+    "algorithm.overlong_buffer=8",
+    "data.task=math",  # needs data files
+    "data.task=multiplication",
+    "reward.terms=[{name: nope}]",
+    "trainer.sharding=hybrid",  # without trainer.shard_group_size
+    "trainer.shard_group_size=2",  # sizes hybrid sharding only
+    "trainer.micro_batch_tokens=-1",
+    "scheduler.num_devices=2",  # with scheduler.placement=split below
+    "rollout.engine=torch",  # with rollout.tensor_parallel_size=2 below
+    "rollout.engine=sglang",
+    "trainer.share_prompts=true",  # with trainer.packing=true below
+    "rollout.compile=true",  # with rollout.engine=torch below
+]
+
+
+def _rejected_argv(override: str) -> list[str]:
+    """The demo recipe with `override`, and what makes it the inconsistent case."""
     needs_tp = override.startswith("scheduler.devices") or override == "rollout.engine=torch"
     tp = ["rollout.tensor_parallel_size=2"] if needs_tp else []
     split = ["scheduler.placement=split"] if override.startswith("scheduler.num_devices") else []
     packing = ["trainer.packing=true"] if override.startswith("trainer.share_prompts") else []
     engine = ["rollout.engine=torch"] if override.startswith("rollout.compile") else []
-    result = run_cli("train", DEMO, override, *tp, *split, *packing, *engine)
+    return ["train", DEMO, override, *tp, *split, *packing, *engine]
+
+
+@pytest.fixture(scope="module")
+def rejected() -> dict[str, CliResult]:
+    results = run_cli_many(*(_rejected_argv(override) for override in REJECTED))
+    return dict(zip(REJECTED, results, strict=True))
+
+
+@pytest.mark.parametrize("override", REJECTED)
+def test_inconsistent_or_unregistered_values_are_rejected(
+    override: str, rejected: dict[str, CliResult]
+) -> None:
+    result = rejected[override]
     assert result.returncode == 2
     assert override.split("=")[0] in result.stderr
 
@@ -116,9 +164,17 @@ def test_inconsistent_or_unregistered_values_are_rejected(override: str) -> None
 RECIPES = [str(p.relative_to(REPO)) for p in shipped_recipes()]
 
 
+@pytest.fixture(scope="module")
+def dry_runs() -> dict[str, CliResult]:
+    results = run_cli_many(*(["train", recipe, "--dry-run"] for recipe in RECIPES))
+    return dict(zip(RECIPES, results, strict=True))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_dry_runs_without_starting_anything(recipe: str) -> None:
-    result = run_cli("train", recipe, "--dry-run")  # the probe fails if ray/vllm were imported
+def test_every_recipe_dry_runs_without_starting_anything(
+    recipe: str, dry_runs: dict[str, CliResult]
+) -> None:
+    result = dry_runs[recipe]  # the probe fails if ray/vllm were imported
     assert result.returncode == 0, result.stderr
     assert f"{recipe}: config ok" in result.stdout
     assert "colocate:" in result.stdout and "trainer: " in result.stdout
@@ -134,24 +190,18 @@ def test_dry_run_refuses_a_plan_too_big_for_the_devices_it_is_told_of(tmp_path: 
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     recipe = "recipes/gpu/ppo_qwen2.5_7b_gsm8k.yaml"
-    fits = run_cli(
-        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "80"
+    dry_run = ["train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb"]
+    fits, lora, small = run_cli_many(
+        [*dry_run, "80"], [*dry_run, "80", "model.lora.rank=16"], [*dry_run, "40"]
     )
     assert fits.returncode == 0, fits.stderr
     assert "model: 7.616B parameters; devices: GPUs of 80 GiB" in fits.stdout
     assert "fits, a device shared by a trainer rank and vLLM" in fits.stdout
     # With LoRA at rank 16 on all seven linears: 28 layers x 16 x (in + out of each) adapter
     # parameters, trained (16 bytes each) over the frozen base (4 bytes each) on 8 ranks.
-    lora = run_cli(
-        "train", recipe, f"model.path={tmp_path}", "model.lora.rank=16", "--dry-run",
-        "--device-memory-gb", "80",
-    )  # fmt: skip
     assert lora.returncode == 0, lora.stderr
     assert "LoRA: 40.37M adapter parameters train (rank 16)" in lora.stdout
     assert "trainer rank: params 3.57, grads 0.02, optimizer 0.04," in lora.stdout
-    small = run_cli(
-        "train", recipe, f"model.path={tmp_path}", "--dry-run", "--device-memory-gb", "40"
-    )
     assert small.returncode == 2
     assert f"error: {recipe}: the plan does not fit its devices" in small.stderr
     assert (
@@ -176,15 +226,16 @@ def test_log_format_and_verbose_flags_set_their_run_keys() -> None:
 def test_eval_of_a_non_model_or_a_missing_data_file_fails_before_vllm_starts(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    not_a_model = run_cli("eval", str(tmp_path), "--data", "x.jsonl", "--task", "addition")
+    no_data = ["eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl")]
+    not_a_model, no_task, missing = run_cli_many(
+        ["eval", str(tmp_path), "--data", "x.jsonl", "--task", "addition"],
+        no_data,
+        [*no_data, "--task", "addition"],
+    )
     assert not_a_model.returncode == 2
     assert f"{tmp_path} is neither an HF model directory" in not_a_model.stderr
-    missing = run_cli("eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"))
-    assert missing.returncode == 2
-    assert "does not record its task: give --task" in missing.stderr
-    missing = run_cli(
-        "eval", str(tiny_model_dir), "--data", str(tmp_path / "no.jsonl"), "--task", "addition"
-    )
+    assert no_task.returncode == 2
+    assert "does not record its task: give --task" in no_task.stderr
     assert missing.returncode == 2
     assert f"data file not found: {tmp_path / 'no.jsonl'}" in missing.stderr
 
@@ -245,16 +296,17 @@ def test_generate_with_an_unknown_environment_fails_before_the_engine_starts(
 
 def test_agent_recipe_errors_name_the_key() -> None:
     agent = "recipes/agent_calculator_cpu.yaml"
-    for override, message in (
-        ("agent.environment=nope", "agent.environment 'nope' is neither a built-in environment"),
-        ("agent.environment=no_env.py:Env", "agent.environment 'no_env.py:Env': file 'no_env.py'"),
-        ("agent.environment=no_env.py", "agent.environment 'no_env.py': name the object too"),
-        ("agent.env_timeout_s=0", "agent.env_timeout_s must be >= 0.001, got 0.0"),
-        ("agent.max_turns=0", "agent.max_turns must be >= 1, got 0"),
-        ("agent.tool_call_format=xml", "agent.tool_call_format='xml' is not one of hermes"),
-        ("trainer.share_prompts=true", "trainer.share_prompts does not apply to agent episodes"),
-    ):
-        result = run_cli("train", agent, "--dry-run", override)
+    messages = {
+        "agent.environment=nope": "agent.environment 'nope' is neither a built-in environment",
+        "agent.environment=no_env.py:Env": "agent.environment 'no_env.py:Env': file 'no_env.py'",
+        "agent.environment=no_env.py": "agent.environment 'no_env.py': name the object too",
+        "agent.env_timeout_s=0": "agent.env_timeout_s must be >= 0.001, got 0.0",
+        "agent.max_turns=0": "agent.max_turns must be >= 1, got 0",
+        "agent.tool_call_format=xml": "agent.tool_call_format='xml' is not one of hermes",
+        "trainer.share_prompts=true": "trainer.share_prompts does not apply to agent episodes",
+    }
+    results = run_cli_many(*(["train", agent, "--dry-run", override] for override in messages))
+    for (override, message), result in zip(messages.items(), results, strict=True):
         assert result.returncode == 2, override
         assert message in result.stderr, result.stderr
 

@@ -41,7 +41,6 @@ MEDIUM = {  # 16M parameters, so buckets of MiBs dwarf the allocator's noise
 # name: (arch, tied, TP, replicas, bucket MiB, frozen patterns, model sizes, transport, engine)
 SETUPS = {
     "qwen2-tied-tp2": ("qwen2", True, 2, 2, 0.02, [], {}, "auto", "vllm"),
-    "llama-untied-tp2": ("llama", False, 2, 1, 0.02, [], {}, "auto", "vllm"),
     "qwen2-medium-untied-tp1": (
         "qwen2",
         False,
