@@ -7,12 +7,14 @@ previous version's (version 0: the base model). Per step: the share of elements 
 of rows with any change (what a row-sparse sync sends), and of 1 MiB blocks with any change,
 and the bytes each way would move against the whole model.
 
-    .venv/bin/python bench/delta_sync.py [--steps 4] [key=value ...]
+    .venv/bin/python bench/delta_sync.py [--recipe R] [--steps 4] [key=value ...]
 
-Default workload: the 25M model of bench/recipes/throughput_25m.yaml at the demo recipe's
-learning rate, fp32 compute, with DAPO's overlong shaping as the reward (a random model
-never answers the task; shaped by length, its groups' rewards differ and every step has
-gradients, which Adam turns into steps of about the learning rate whatever their scale).
+Any recipe runs at the demo recipe's learning rate in fp32 compute. Default: the 25M model
+of bench/recipes/throughput_25m.yaml, which being random never answers the task: all its
+rewards are 0 and no step has a gradient unless a shaping term gives its groups different
+rewards (`algorithm.overlong_buffer=120`, then the responses shorten until none is penalised).
+`--recipe recipes/grpo_addition_cpu.yaml` measures the demo itself: its SFT base and task
+reward.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def sync_bytes(counts: dict[str, float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("overrides", nargs="*", help="key=value over the workload's")
     args = parser.parse_args()
@@ -81,20 +84,19 @@ def main() -> None:
         "model.dtype=float32",
         "trainer.compile=false",
         "rollout.compile=false",
-        "algorithm.overlong_buffer=120",
         "checkpoint.every=1",
+        f"checkpoint.keep_last={args.steps}",
         *args.overrides,
     ]
-    cfg = load_config(RECIPE, overrides)
+    cfg = load_config(args.recipe, overrides)
     run_dir = clear_run(cfg)
     if not Path(cfg.model.path).exists():
-        subprocess.run([sys.executable, "-m", "rl.cli", "build-base", RECIPE], cwd=REPO, check=True)
-    subprocess.run(
-        [sys.executable, "-m", "rl.cli", "train", RECIPE, *overrides], cwd=REPO, check=True
-    )
-    print(
-        f"\n{RECIPE}, lr {lr}, {args.steps} steps; changes in {WIRE} against the version before\n"
-    )
+        build = [sys.executable, "-m", "rl.cli", "build-base", args.recipe]
+        subprocess.run(build, cwd=REPO, check=True)
+    train = [sys.executable, "-m", "rl.cli", "train", args.recipe, *overrides]
+    subprocess.run(train, cwd=REPO, check=True)
+    print(f"\n{args.recipe} {' '.join(args.overrides)}: lr {cfg.trainer.lr}, {args.steps} steps; "
+          f"changes in {WIRE} against the version before\n")  # fmt: skip
     print("| step | elements changed | rows changed | 1 MiB blocks changed | "
           "bytes: element deltas / full | row deltas / full |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|")
