@@ -43,8 +43,8 @@ def changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
     """Counts of what changed between two versions in the wire dtype: elements, rows (dim 0;
     a 1-D tensor is one row) and blocks of BLOCK_BYTES of the flattened tensor."""
     block = BLOCK_BYTES // WIRE.itemsize
-    out = dict.fromkeys(("elements", "changed", "rows", "changed_rows", "blocks"), 0.0)
-    out["changed_blocks"] = 0.0
+    keys = ("elements", "changed", "rows", "changed_rows", "blocks", "changed_blocks")
+    out = dict.fromkeys(keys, 0.0)
     for name, new in after.items():
         differs = before[name].to(WIRE) != new.to(WIRE)
         rows = differs.reshape(differs.shape[0], -1) if differs.dim() > 1 else differs[None]

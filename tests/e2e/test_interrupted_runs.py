@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from rl.checkpoint.store import list_checkpoints, verify
-from rl.observe.metrics import is_measurement
 from rl.sync.shared_memory import remove_stale_slots
 from rollout.engines.vllm_shm import remove_dead_engines_segments
 from tests.helpers.repo import REPO
+from tests.helpers.resumed_steps import computed
 from tests.helpers.tiny_runs import tiny_run_tree
 from tests.helpers.waiting import HANG_GUARD_S, wait_until_delivered
 
@@ -96,12 +96,8 @@ def _wait_for_step(process: subprocess.Popen, run_dir: Path, step: int) -> None:
         time.sleep(0.1)
 
 
-def _computed(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not is_measurement(k)} for r in records]
-
-
 def _assert_same_run(run_dir: Path, reference: list[dict]) -> None:
-    records = _computed(_records(run_dir))
+    records = [computed(r) for r in _records(run_dir)]
     assert [r["step"] for r in records] == [r["step"] for r in reference]
     for got, want in zip(records, reference, strict=True):
         differ = {k: (want.get(k), got.get(k)) for k in got.keys() | want.keys()}
@@ -115,7 +111,7 @@ def reference(recipe: Path) -> list[dict]:
     assert result.returncode == 0, result.stderr[-4000:]
     records = _records(_run_dir(recipe, "reference"))
     assert [r["step"] for r in records] == list(range(NUM_STEPS + 1))
-    return _computed(records)
+    return [computed(r) for r in records]
 
 
 def test_a_killed_run_resumed_from_its_checkpoint_logs_the_same_metrics_bit_for_bit(

@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 
 from rl.checkpoint.export import export_checkpoint
 from rl.config import Config
-from rl.observe.metrics import is_measurement
 from rl.run.driver import RunAborted, train
 from rl.sync.shared_memory import SHM_DIR, owner_tag
 from tests.helpers.models import build_checkpoint, remove_pad_token
+from tests.helpers.resumed_steps import computed
 from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.integration
@@ -372,8 +372,4 @@ def test_a_killed_trainer_rank_rebuilds_every_role_from_the_last_checkpoint_exac
         json.loads(line) for line in (run_dir / "metrics.replaced.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in lost] == [3]
-    assert _computed(records[3]) == _computed(lost[0])
-
-
-def _computed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not is_measurement(k)}
+    assert computed(records[3]) == computed(lost[0])
