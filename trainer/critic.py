@@ -14,15 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoModelForCausalLM
 
-from kernels.attention import ATTENTION
 from rl.config import Config, TrainerConfig
 from rl.types import Batch, ValueLoss
-from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp
+from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp, storage_device
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput
+from trainer.rank_local_load import load_local_rows, meta_causal_lm, restore_computed_buffers
 from trainer.ranks import (
     RoleRank,
     adamw_with_warmup,
@@ -46,10 +45,14 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, 1)
-        # Zero head: the first values are exactly 0, a neutral baseline, so the first GAE
-        # advantages are the plain returns rather than noise of arbitrary scale from a random
-        # projection of the hidden states. The head's gradient is still non-zero (it is the
-        # hidden state), so after one step the backbone receives gradients too.
+        self.zero_head()
+
+    @torch.no_grad()
+    def zero_head(self) -> None:
+        """Zero the head (sharded or not): the first values are exactly 0, a neutral baseline,
+        so the first GAE advantages are the plain returns rather than noise of arbitrary scale
+        from a random projection of the hidden states. The head's gradient is still non-zero
+        (it is the hidden state), so after one step the backbone receives gradients too."""
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -70,16 +73,23 @@ class ValueModel(nn.Module):
 
 def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig) -> ValueModel:
     """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
-    like the policy (`trainer.fsdp.shard_with_fsdp`); `dtype` is the compute dtype."""
-    causal_lm = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=ATTENTION
-    )
+    like the policy (`trainer.fsdp.shard_with_fsdp`), each rank reading only its own rows of
+    the checkpoint (`trainer.rank_local_load`); `dtype` is the compute dtype."""
+    causal_lm = meta_causal_lm(path)
     layers = decoder_layers(causal_lm, f"critic checkpoint {path!r}")
     # The LM head is dropped: a critic predicts one number.
-    model = ValueModel(causal_lm.get_decoder(), causal_lm.config.hidden_size)
+    decoder = causal_lm.get_decoder()
+    with torch.device("meta"):
+        model = ValueModel(decoder, causal_lm.config.hidden_size)
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
     shard_with_fsdp(model, layers, mesh, dtype, cfg, cfg.activation_checkpointing)
+    model.to_empty(device=storage_device(cfg, mesh))
+    # The checkpoint names the decoder's tensors under the causal LM's name for it ("model.").
+    prefix = next(name for name, child in causal_lm.named_children() if child is decoder)
+    load_local_rows(model.backbone, path, prefix=f"{prefix}.")
+    restore_computed_buffers(model.backbone)
+    model.zero_head()
     return model
 
 

@@ -16,12 +16,19 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from kernels import logprobs, naive_logprobs
-from kernels.attention import ATTENTION
 from rl.config import LoraConfig, ModelConfig, TrainerConfig
 from trainer.packing import IGNORE, ModelInput
+from trainer.rank_local_load import (
+    LORA_ADAPTERS,
+    init_lora_adapters,
+    load_local_rows,
+    meta_causal_lm,
+    meta_lora,
+    restore_computed_buffers,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -159,6 +166,12 @@ def offload_policy(offload: bool, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy() if offload and device_type == "cuda" else OffloadPolicy()
 
 
+def storage_device(cfg: TrainerConfig, mesh: DeviceMesh) -> str:
+    """Where FSDP2 keeps a rank's shards: host memory under CPU offload, else the mesh's device."""
+    offloaded = isinstance(offload_policy(cfg.offload, mesh.device_type), CPUOffloadPolicy)
+    return "cpu" if offloaded else mesh.device_type
+
+
 def shard_with_fsdp(
     root: nn.Module,
     layers: nn.ModuleList,
@@ -241,15 +254,10 @@ def adapter_dropout(model: nn.Module) -> Iterator[None]:
 def load_sharded(
     cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool, seed: int = 0
 ) -> LogProbModel:
-    """Load `cfg.path` in fp32 and shard it with FSDP2 (`shard_with_fsdp`); trainable with
-    `cfg.lora` on: its adapters only (`with_lora`, drawn from `seed`).
-
-    Every rank loads the full checkpoint to CPU before sharding (fine for models that fit in
-    host memory once per rank).
-    """
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.path, dtype=torch.float32, attn_implementation=ATTENTION
-    )
+    """`cfg.path` in fp32, sharded with FSDP2 (`shard_with_fsdp`), each rank reading only its
+    own rows of the checkpoint (`trainer.rank_local_load`); trainable with `cfg.lora` on: its
+    adapters only, drawn from `seed` as `with_lora` draws them."""
+    model = meta_causal_lm(cfg.path)
     layers = decoder_layers(model, f"model.path={cfg.path!r}")
     # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
     model.eval()
@@ -257,10 +265,14 @@ def load_sharded(
     if trainable:
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
-    if trainable and cfg.lora.enabled:
-        model = with_lora(model, cfg.lora, seed)
-    wrapper = LogProbModel(model, trainer_cfg)
+    lora = trainable and cfg.lora.enabled
+    wrapper = LogProbModel(meta_lora(model, cfg.lora) if lora else model, trainer_cfg)
     # A frozen model runs under no_grad: it saves no activations to recompute.
     checkpointed = trainable and trainer_cfg.activation_checkpointing
     shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, trainer_cfg, checkpointed)
+    wrapper.to_empty(device=storage_device(trainer_cfg, mesh))
+    load_local_rows(model, cfg.path, skip=LORA_ADAPTERS)
+    restore_computed_buffers(model)
+    if lora:
+        init_lora_adapters(model, seed)
     return wrapper

@@ -7,8 +7,6 @@ actor starts.
 from __future__ import annotations
 
 import difflib
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from rl.config import Config
 from rl.config.checks import ConfigError, check_consistency
+from rl.config.safetensors_files import checkpoint_tensors
 
 
 def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
@@ -204,7 +203,10 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
     _check_tokenizer(model_dir, f"{path}: model.path={cfg.model.path!r}")
-    shapes = checkpoint_tensor_shapes(model_dir)
+    try:
+        shapes = checkpoint_tensor_shapes(model_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: model.path: {exc}") from None
     if cfg.model.frozen:
         try:
             cfg.model.frozen_names(list(shapes))
@@ -250,13 +252,7 @@ def _check_tokenizer(model_dir: Path, where: str) -> None:
 def checkpoint_tensor_shapes(model_dir: Path) -> dict[str, list[int]]:
     """Tensor name -> shape, as an HF checkpoint's safetensors files record them (their JSON
     headers only: no tensor is read)."""
-    shapes = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-    return shapes
+    return {name: list(t.shape) for name, t in checkpoint_tensors(model_dir).items()}
 
 
 def _linear_modules(shapes: dict[str, list[int]]) -> set[str]:
