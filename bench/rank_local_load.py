@@ -12,7 +12,7 @@ processes:
   each rank reads its own rows.
 
 Per rank: how far its peak resident memory rose above its resident memory just before loading
-(`getrusage` high-water mark; imports and the process group came before), and the seconds the
+(its VmHWM high-water mark; imports and the process group came before), and the seconds the
 load took. The target: at most half the model in fp32 plus one decoder layer, per rank.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 from gpu_trainer import SHAPES, free_port
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -60,6 +60,16 @@ def write_checkpoint(shape: dict, directory: Path) -> dict[str, int]:
     return {"model_fp32": 4 * sum(t.numel() for t in tensors.values()), "layer_fp32": 4 * layer}
 
 
+def high_water_mark() -> int:
+    """This process's peak resident bytes (VmHWM). Not getrusage's ru_maxrss, which a spawned
+    process inherits from its parent's size when it forked (here: the parent that wrote the
+    checkpoint) and so can read higher than anything the rank itself touched."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def _load_whole(cfg: Config, mesh: object) -> torch.nn.Module:
     """The trainer's loading before rank-local loading: the whole checkpoint, then FSDP2."""
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
@@ -71,6 +81,7 @@ def _rank_main(rank: int, variant: str, model_dir: Path, ranks: int, port: int, 
     cfg = Config.model_validate(
         {"model": {"path": str(model_dir)}, "trainer": {"num_workers": ranks, "num_threads": 1}}
     )
+    transformers.utils.logging.disable_progress_bar()
     _, mesh = init_rank(rank, ranks, "127.0.0.1", port, cfg.trainer)
     dist.barrier()
     before = psutil.Process().memory_info().rss
@@ -80,7 +91,7 @@ def _rank_main(rank: int, variant: str, model_dir: Path, ranks: int, port: int, 
     else:
         model = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = high_water_mark()
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     result = {"rise": peak - before, "seconds": seconds, "local_shards": local}
     (out / f"{variant}.rank{rank}.json").write_text(json.dumps(result))

@@ -29,6 +29,8 @@ from rl.config.safetensors_files import checkpoint_tensors, read_rows
 
 # What peft names its adapters' modules inside an adapted linear: they are not in the checkpoint.
 LORA_ADAPTERS = (".lora_A.", ".lora_B.")
+# At most this many bytes of a tensor are read (in the file's dtype) before they are copied.
+READ_BYTES = 16 * 2**20
 
 
 def meta_causal_lm(path: str) -> PreTrainedModel:
@@ -66,17 +68,23 @@ def _rows(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
 
 @torch.no_grad()
 def load_local_rows(
-    module: nn.Module, path: str, prefix: str = "", skip: tuple[str, ...] = ()
+    module: nn.Module,
+    path: str,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+    read_bytes: int = READ_BYTES,
 ) -> None:
     """Fill every parameter and persistent buffer of `module` (sharded, after `to_empty`) with
     this rank's rows of the tensor named `prefix` + its name in the checkpoint at `path`.
 
     A peft-wrapped linear keeps the base weight as `base_layer.weight`: the checkpoint names it
     without `base_layer`. Names containing one of `skip` (LoRA's adapters) are not read.
+    Rows are read at most `read_bytes` (in the file's dtype) at a time.
     ValueError naming the directory and the tensor when the checkpoint lacks it or holds it
     in another shape.
     """
     stored = checkpoint_tensors(Path(path))
+    buffer = torch.empty(read_bytes, dtype=torch.uint8)
     persistent = [
         (f"{owner}.{name}" if owner else name, buffer)
         for owner, sub in module.named_modules()
@@ -97,7 +105,17 @@ def load_local_rows(
                 f"but its config.json makes it {list(tensor.shape)}"
             )
         local, rows = _rows(tensor)
-        local.copy_(read_rows(stored[key], key, rows))
+        if not local.dim():
+            local.copy_(read_rows(stored[key], key, buffer=buffer))
+            continue
+        start, stop = rows if rows is not None else (0, len(local))
+        # A bounded number of rows at a time, through one buffer: read whole, the embedding's
+        # rows (an untied LM head's, read last) would add a shard of it to the peak.
+        step = max(1, read_bytes // max(1, stored[key].row_bytes))
+        for begin in range(start, stop, step):
+            end = min(stop, begin + step)
+            rows_read = read_rows(stored[key], key, (begin, end), buffer)
+            local[begin - start : end - start].copy_(rows_read)
 
 
 @torch.no_grad()

@@ -45,6 +45,11 @@ class StoredTensor:
     begin: int
     end: int
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of dimension 0 (of the whole tensor if it has no dimension)."""
+        return math.prod(self.shape[1:]) * DTYPES[self.dtype][1]
+
 
 def read_header(file: Path) -> dict[str, StoredTensor]:
     """Tensor name -> StoredTensor for one safetensors file; ValueError naming the file and the
@@ -101,25 +106,32 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
-def read_rows(stored: StoredTensor, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def read_rows(
+    stored: StoredTensor,
+    name: str,
+    rows: tuple[int, int] | None = None,
+    buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows [start, stop) of dimension 0 of `stored` (all of it when `rows` is None), in its
-    own dtype; `name` names it in errors.
+    own dtype; `name` names it in errors. Read into the front of `buffer` (uint8) where it is
+    large enough, so that a caller reading piece by piece allocates once; the result is then
+    a view of it, valid until the next read.
 
     Row-major rows are one contiguous byte range: one seek and one read, into memory this
     process owns. The file is not mapped, so its pages never count as the process's memory.
     """
-    start, stop = rows if rows is not None else (0, stored.shape[0] if stored.shape else 1)
-    assert 0 <= start <= stop <= (stored.shape[0] if stored.shape else 1), (name, rows)
     import torch
 
-    name_of_dtype, itemsize = DTYPES[stored.dtype]
-    dtype = getattr(torch, name_of_dtype)
-    row_bytes = math.prod(stored.shape[1:]) * itemsize
-    out = torch.empty((stop - start, *stored.shape[1:]) if stored.shape else (), dtype=dtype)
-    if out.numel():
-        view = out.reshape(-1).view(torch.uint8).numpy()
+    start, stop = rows if rows is not None else (0, stored.shape[0] if stored.shape else 1)
+    assert 0 <= start <= stop <= (stored.shape[0] if stored.shape else 1), (name, rows)
+    shape = (stop - start, *stored.shape[1:]) if stored.shape else ()
+    nbytes = (stop - start) * stored.row_bytes
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+    raw = buffer[:nbytes]
+    if nbytes:
         with stored.file.open("rb") as f:
-            f.seek(stored.begin + start * row_bytes)
-            if f.readinto(view) != view.nbytes:
+            f.seek(stored.begin + start * stored.row_bytes)
+            if f.readinto(raw.numpy()) != nbytes:
                 raise ValueError(f"{stored.file}: tensor {name!r} is cut short")
-    return out
+    return raw.view(getattr(torch, DTYPES[stored.dtype][0])).reshape(shape)

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from rl.config import Config
 from tests.helpers.ports import free_port
 from trainer.critic import load_value_model
-from trainer.fsdp import load_sharded, sharding_mesh, with_lora
+from trainer.fsdp import decoder_layers, load_sharded, shard_with_fsdp, sharding_mesh, with_lora
+from trainer.rank_local_load import load_local_rows, meta_causal_lm, restore_computed_buffers
 from trainer.ranks import init_rank
 
 pytestmark = pytest.mark.integration
@@ -30,6 +31,8 @@ CASES = {
     "tied_hybrid_2x1": ("tied", {"sharding": "hybrid", "shard_group_size": 1}, {}),
     "tied_none": ("tied", {"sharding": "none"}, {}),
     "untied_lora": ("untied", {}, {"lora": LORA}),
+    # Loaded piece by piece, reading 1000 bytes at a time (`load_local_rows`' read_bytes).
+    "untied_zero3_in_chunks": ("untied", {}, {}),
 }
 
 
@@ -45,6 +48,8 @@ def _rank_main(rank: int, dirs: dict[str, Path], port: int, out: Path) -> None:
     results: dict = {}
     init_rank(rank, 2, "127.0.0.1", port, _config(dirs["untied"], {}, {}).trainer)
     for label, (checkpoint, trainer, model) in CASES.items():
+        if label.endswith("_in_chunks"):
+            continue
         cfg = _config(dirs[checkpoint], trainer, model)
         mesh = sharding_mesh("cpu", 2, cfg.trainer)
         loaded = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True, seed=SEED)
@@ -52,6 +57,18 @@ def _rank_main(rank: int, dirs: dict[str, Path], port: int, out: Path) -> None:
             "params": {n: p.detach().full_tensor() for n, p in loaded.model.named_parameters()},
             "buffers": dict(loaded.model.named_buffers()),
         }
+    # Reading a few rows at a time: chunks of 3 rows of 64 fp32 values, ending unevenly.
+    cfg = _config(dirs["untied"], {}, {})
+    model = meta_causal_lm(str(dirs["untied"]))
+    mesh = sharding_mesh("cpu", 2, cfg.trainer)
+    shard_with_fsdp(model, decoder_layers(model, "tiny"), mesh, "float32", cfg.trainer)
+    model.to_empty(device="cpu")
+    load_local_rows(model, str(dirs["untied"]), read_bytes=1000)
+    restore_computed_buffers(model)
+    results["untied_zero3_in_chunks"] = {
+        "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()},
+        "buffers": dict(model.named_buffers()),
+    }
     cfg = _config(dirs["tied"], {}, {})
     critic = load_value_model(
         str(dirs["tied"]), "float32", sharding_mesh("cpu", 2, cfg.trainer), cfg.trainer

@@ -33,6 +33,12 @@ def test_rows_equal_what_safetensors_loads_in_every_dtype_and_range(tmp_path: Pa
         if tensor.dim():
             for start, stop in [(0, 1), (1, tensor.shape[0]), (2, 2)]:
                 assert torch.equal(read_rows(stored[name], name, (start, stop)), tensor[start:stop])
+                # Through a caller's buffer, where it is large enough: a view of it.
+                buffer = torch.empty(64, dtype=torch.uint8)
+                got = read_rows(stored[name], name, (start, stop), buffer)
+                assert torch.equal(got, tensor[start:stop])
+                fits = got.numel() * got.element_size() <= buffer.numel()
+                assert (got.untyped_storage().data_ptr() == buffer.data_ptr()) == fits
 
 
 def _raw_file(path: Path, header: object, data: bytes = b"\0" * 16) -> Path:
