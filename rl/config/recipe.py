@@ -207,6 +207,12 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
         shapes = checkpoint_tensor_shapes(model_dir)
     except ValueError as exc:
         raise ConfigError(f"{path}: model.path: {exc}") from None
+    if not shapes:
+        raise ConfigError(
+            f"{path}: model.path={cfg.model.path!r} has no *.safetensors files: the trainer "
+            "reads its weights from safetensors only (save the model with "
+            "save_pretrained(..., safe_serialization=True))"
+        )
     if cfg.model.frozen:
         try:
             cfg.model.frozen_names(list(shapes))

@@ -108,6 +108,19 @@ def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts
         check_inputs(_model_dir_config(model_dir), "recipe.yaml")
 
 
+def test_a_model_directory_without_safetensors_or_with_a_bad_header_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_tiny_checkpoint(tmp_path / "model", tie_word_embeddings=False)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # its header cut short
+    with pytest.raises(ConfigError, match=r"model.path: .*model.safetensors: safetensors header"):
+        check_inputs(_model_dir_config(model_dir), "recipe.yaml")
+    weights.rename(model_dir / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"has no \*.safetensors files: the trainer reads"):
+        check_inputs(_model_dir_config(model_dir), "recipe.yaml")
+
+
 def test_a_tokenizer_without_a_pad_token_is_accepted_and_pads_with_eos(tmp_path: Path) -> None:
     # Llama's tokenizer class has no default pad token (Qwen2's falls back to <|endoftext|>).
     model_dir = build_checkpoint(tmp_path / "model", "llama", tie_word_embeddings=False)
