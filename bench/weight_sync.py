@@ -2,6 +2,7 @@
 trainer group into one vLLM engine with TP = 1 and TP = 2, against the memcpy lower bound.
 
     .venv/bin/python bench/weight_sync.py [--syncs 3] [--bucket-mb 64] [--demo-steps 20]
+        [--dtypes float32,bfloat16] [--quick]
 
 Each measurement runs in a child process that starts Ray, the trainer group and the engine:
   time    per TP size and transport (shared_memory, distributed): the end-to-end seconds of a
@@ -15,12 +16,15 @@ Each measurement runs in a child process that starts Ray, the trainer group and 
   overlap on shared memory, each timed sync alternates with one whose next bucket is written
           only once the current one is loaded everywhere: the overlap's gain.
 The memcpy bound is one torch copy of the bytes the rollout ranks load (all ranks together),
-timed in this process in the same run. Prints a markdown table.
+timed in this process in the same run. Each of --dtypes is a run's `model.dtype`, the
+dtype weights travel in. --quick times the syncs only (no memory, floor or demo).
+Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -53,7 +57,7 @@ def build_model() -> Path:
     return build_checkpoint(MODEL_DIR, "qwen2", True, **QWEN25_05B)
 
 
-def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> dict:
+def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float, dtype: str) -> dict:
     import ray
 
     from rl.cluster.reservation import reserve
@@ -64,7 +68,7 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
 
     cfg = Config.model_validate(
         {
-            "model": {"path": str(MODEL_DIR)},
+            "model": {"path": str(MODEL_DIR), "dtype": dtype},
             "rollout": {
                 "num_workers": 1,
                 "tensor_parallel_size": tp_size,
@@ -103,7 +107,7 @@ def _child(tp_size: int, transport: str, num_syncs: int, bucket_mb: float) -> di
         "bytes_loaded": sum(plan.bytes_to_rank(t) for t in range(tp_size)),
         "bytes_full": plan.total_bytes,
         "num_buckets": len(plan.buckets),
-        "largest_bucket_mb": plan.slot_numel * 4 / (1 << 20),
+        "largest_bucket_mb": plan.slot_numel * plan.bytes_per_element / (1 << 20),
     }
 
 
@@ -185,7 +189,7 @@ def memcpy_seconds(num_bytes: int, repeats: int = 3) -> float:
     """Fastest of `repeats` torch copies of `num_bytes` between two warmed-up buffers."""
     import torch
 
-    src = torch.ones(num_bytes // 4)
+    src = torch.ones(num_bytes // 4)  # fp32: the copy's speed does not depend on the dtype
     dst = torch.zeros_like(src)
     best = float("inf")
     for _ in range(repeats):
@@ -203,51 +207,62 @@ def main() -> None:
     parser.add_argument("--child", type=int)
     parser.add_argument("--transport", default="shared_memory")
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--dtype", default="float32")  # a child's
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.floor:
         print(json.dumps(_reload_floor()))
         return
     if args.child:
-        print(json.dumps(_child(args.child, args.transport, args.syncs, args.bucket_mb)))
+        child = _child(args.child, args.transport, args.syncs, args.bucket_mb, args.dtype)
+        print(json.dumps(child))
         return
     build_model()
-    floor = statistics.median(_run_child(args, "--floor")["seconds"])
     print(
-        "| TP | transport | MiB per rollout rank (sliced / full) | sync s (median) | trainer "
+        "| dtype | TP | transport | MiB per rollout rank (sliced / full) | sync s (median) | trainer "
         "write s | vLLM load + process s | memcpy bound s | ratio to bound | peak extra MiB "
         "trainer / rollout (largest bucket) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
     overlap = []  # (TP, pipelined s, serial s) of the shared-memory rows
-    for tp_size in (1, 2):
-        for transport in ("shared_memory", "distributed"):
-            child = ("--child", str(tp_size), "--transport", transport)
-            timed = _run_child(args, *child)
+    for dtype, tp_size, transport in itertools.product(
+        args.dtypes.split(","), (1, 2), ("shared_memory", "distributed")
+    ):
+        child = ("--child", str(tp_size), "--transport", transport, "--dtype", dtype)
+        timed = _run_child(args, *child)
+        seconds = statistics.median(timed["seconds"])
+        bound = memcpy_seconds(timed["bytes_loaded"])
+        peaks = "not measured (--quick)"
+        if not args.quick:
             memory = _run_child(args, *child, memory=True)
-            seconds = statistics.median(timed["seconds"])
-            bound = memcpy_seconds(timed["bytes_loaded"])
             peaks = (
                 f"{memory['trainer_peak_mb']:.0f} / {memory['rollout_peak_mb']:.0f} "
                 f"({timed['largest_bucket_mb']:.0f})"
             )
-            print(
-                f"| {tp_size} | {transport} | {timed['bytes_per_rank'] / mib:.0f} / "
-                f"{timed['bytes_full'] / mib:.0f} | {seconds:.2f} | "
-                f"{statistics.median(timed['write_s']):.2f} | "
-                f"{statistics.median(timed['load_s']):.2f} | {bound:.2f} | "
-                f"{seconds / bound:.1f}x | {peaks} |",
-                flush=True,
-            )
-            print(f"<!-- TP={tp_size} {transport}: {json.dumps([timed, memory])} -->")
-            if timed["serial_seconds"]:
-                serial = statistics.median(timed["serial_seconds"])
-                overlap.append((tp_size, seconds, serial))
-    print("\n| TP | shared memory, bucket i + 1 written while i loads: sync s | one after the "
-          "other: sync s | pipelined / serial |")  # fmt: skip
-    print("|---|---|---|---|")
-    for tp_size, pipelined, serial in overlap:
-        print(f"| {tp_size} | {pipelined:.2f} | {serial:.2f} | {pipelined / serial:.2f} |")
+        print(
+            f"| {dtype} | {tp_size} | {transport} | {timed['bytes_per_rank'] / mib:.0f} / "
+            f"{timed['bytes_full'] / mib:.0f} | {seconds:.2f} | "
+            f"{statistics.median(timed['write_s']):.2f} | "
+            f"{statistics.median(timed['load_s']):.2f} | {bound:.2f} | "
+            f"{seconds / bound:.1f}x | {peaks} |",
+            flush=True,
+        )
+        print(f"<!-- {dtype} TP={tp_size} {transport}: {json.dumps(timed)} -->")
+        if timed["serial_seconds"]:
+            serial = statistics.median(timed["serial_seconds"])
+            overlap.append((dtype, tp_size, seconds, serial))
+    print("\n| dtype | TP | shared memory, bucket i + 1 written while i loads: sync s | one "
+          "after the other: sync s | pipelined / serial |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for dtype, tp_size, pipelined, serial in overlap:
+        print(
+            f"| {dtype} | {tp_size} | {pipelined:.2f} | {serial:.2f} | {pipelined / serial:.2f} |"
+        )
+    if args.quick:
+        return
+    floor = statistics.median(_run_child(args, "--floor")["seconds"])
     print(f"\nvLLM's own reload of the whole model from memory (TP=1, one call): {floor:.2f} s")
     demo = _demo_sync_fraction(args.demo_steps)
     print(

@@ -287,8 +287,10 @@ class PolicyTrainer(RoleRank):
             reshard(self.policy)  # the sender reads the shards
         rows = self.sender.rows(bucket)
         if self.cfg.scheduler.keeps_pushed_weights:
+            # In the wire dtype: what the rollout holds, at no more memory than needed.
+            wire = getattr(torch, self.sender.plan.wire_dtype)
             self.pushed_rows[bucket] = {
-                name: tensor.to("cpu", copy=True) for name, tensor in rows.items()
+                name: tensor.to("cpu", wire, copy=True) for name, tensor in rows.items()
             }
         return self.sender.write(bucket, rows, replicas)
 

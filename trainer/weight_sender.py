@@ -56,7 +56,7 @@ class WeightSender:
     def __init__(
         self, model: nn.Module, plan: WeightSyncPlan, rank: int, channel_spec: ChannelSpec
     ) -> None:
-        self._model, self._plan, self._rank = model, plan, rank
+        self._model, self.plan, self._rank = model, plan, rank
         self._channel = open_channel(plan, channel_spec, member=rank)
         self._base_rss = 0
 
@@ -66,7 +66,7 @@ class WeightSender:
         must be resharded (FSDP2 swaps in full parameters while unsharded)."""
         params = dict(self._model.named_parameters())
         return {
-            spec.name: self._rows(params[spec.name].detach()) for spec in self._plan.buckets[bucket]
+            spec.name: self._rows(params[spec.name].detach()) for spec in self.plan.buckets[bucket]
         }
 
     def write(
@@ -99,5 +99,5 @@ class WeightSender:
         if mesh.ndim == 1:
             return param.to_local()
         whole = param.to_local() if mesh.size(1) == 1 else param.full_tensor()
-        start, stop = owned_rows(param.shape[0], self._rank, self._plan.world_size)
+        start, stop = owned_rows(param.shape[0], self._rank, self.plan.world_size)
         return whole[start:stop]

@@ -25,16 +25,19 @@ class DistributedChannel:
         self._plan, self._member = plan, member
         self._num_replicas = num_replicas
         self._group = GlooGroup(addr, port, member, plan.world_size + num_replicas * plan.tp_size)
+        dtype = getattr(torch, plan.wire_dtype)
         if member < plan.world_size:  # a trainer rank: one packing buffer per TP rank
             self._packed = [
-                torch.empty(max_piece_numel(plan, member, t)) for t in range(plan.tp_size)
+                torch.empty(max_piece_numel(plan, member, t), dtype=dtype)
+                for t in range(plan.tp_size)
             ]
         else:
             self._tp_rank = (member - plan.world_size) % plan.tp_size
             self._received = [
-                torch.empty(max_piece_numel(plan, w, self._tp_rank)) for w in range(plan.world_size)
+                torch.empty(max_piece_numel(plan, w, self._tp_rank), dtype=dtype)
+                for w in range(plan.world_size)
             ]
-            self._bucket = torch.empty(plan.slot_numel)
+            self._bucket = torch.empty(plan.slot_numel, dtype=dtype)
 
     def write(
         self, bucket: int, local_rows: dict[str, torch.Tensor], replicas: list[int] | None

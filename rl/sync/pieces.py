@@ -40,7 +40,8 @@ def pack_piece(
     local_rows: dict[str, torch.Tensor],
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Fill the flat fp32 buffer `out` with what trainer `rank` sends rollout rank `tp_rank`:
+    """Fill the flat buffer `out` (the plan's wire dtype) with what trainer `rank` sends rollout
+    rank `tp_rank`:
     for each tensor of `bucket` in order, the rows x columns of the rank's region it owns,
     row-major. Returns the filled front of `out`."""
     offset = 0

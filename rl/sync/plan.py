@@ -10,8 +10,11 @@ the vocabulary-parallel embedding and LM head split the vocabulary padded to a m
 k/v heads are replicated when there are fewer of them than ranks; everything else (norms,
 row-parallel biases) is needed whole. With T = 1 every rank needs every tensor whole.
 
-A bucket travels as one flat fp32 buffer holding its tensors whole, one after another: every
-trainer rank writes its own rows in place, and every rollout rank reads only its region.
+A bucket travels as one flat buffer holding its tensors whole, one after another: every
+trainer rank writes its own rows in place, and every rollout rank reads only its region. The
+buffer's dtype is the plan's `wire_dtype`: the engines' dtype (`model.dtype`), into which
+vLLM's loaders would cast fp32 weights anyway (the same rounding), so that a bf16 run moves
+half the bytes of fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 
 # vLLM pads the vocabulary to this multiple before splitting it (DEFAULT_VOCAB_PADDING_SIZE).
 VOCAB_PADDING = 64
-BYTES_PER_ELEMENT = 4  # weights travel as fp32, the trainer's master dtype
+# The dtypes weights can travel in (model.dtype's choices), and their bytes per element.
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _COLUMN_PARALLEL = ("q_proj", "gate_proj", "up_proj")
 _KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -129,14 +133,20 @@ def load_unit(name: str) -> str:
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
-    """Buckets of whole load units (each at most `bucket_bytes` of full fp32 tensors, unless
-    one unit alone is larger), for W trainer ranks and rollout engines of T ranks each."""
+    """Buckets of whole load units (each at most `bucket_bytes` of full tensors in
+    `wire_dtype`, unless one unit alone is larger), for W trainer ranks and rollout engines of
+    T ranks each."""
 
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[tuple[TensorSpec, ...], ...]
     shape: AttentionShape
     world_size: int
     tp_size: int
+    wire_dtype: str
+
+    @property
+    def bytes_per_element(self) -> int:
+        return WIRE_BYTES[self.wire_dtype]
 
     def offsets(self, bucket: int) -> list[int]:
         """Where each tensor of `bucket` starts in the bucket's buffer, in elements."""
@@ -157,7 +167,7 @@ class WeightSyncPlan:
 
     def bucket_bytes_to_rank(self, bucket: int, tp_rank: int) -> int:
         """Bytes rollout rank `tp_rank` loads of `bucket`."""
-        return BYTES_PER_ELEMENT * sum(
+        return self.bytes_per_element * sum(
             self.region(spec, tp_rank).numel for spec in self.buckets[bucket]
         )
 
@@ -168,7 +178,7 @@ class WeightSyncPlan:
     @property
     def total_bytes(self) -> int:
         """Bytes of the full tensors: what each rank would receive without slicing."""
-        return BYTES_PER_ELEMENT * sum(spec.num_rows * spec.num_cols for spec in self.tensors)
+        return self.bytes_per_element * sum(s.num_rows * s.num_cols for s in self.tensors)
 
 
 def plan_weight_sync(
@@ -177,8 +187,11 @@ def plan_weight_sync(
     world_size: int,
     tp_size: int,
     bucket_bytes: int,
+    wire_dtype: str,
 ) -> WeightSyncPlan:
-    """Group `tensors` (model order, tied names deduplicated) into buckets of whole load units."""
+    """Group `tensors` (model order, tied names deduplicated) into buckets of whole load units
+    of at most `bucket_bytes` in `wire_dtype`."""
+    assert wire_dtype in WIRE_BYTES, wire_dtype
     if world_size < 1 or tp_size < 1:
         raise ValueError(f"world_size={world_size} and tp_size={tp_size} must be >= 1")
     if bucket_bytes <= 0:
@@ -192,7 +205,7 @@ def plan_weight_sync(
     current: list[TensorSpec] = []
     size = 0
     for unit in units.values():
-        unit_bytes = BYTES_PER_ELEMENT * sum(s.num_rows * s.num_cols for s in unit)
+        unit_bytes = WIRE_BYTES[wire_dtype] * sum(s.num_rows * s.num_cols for s in unit)
         if current and size + unit_bytes > bucket_bytes:
             buckets.append(tuple(current))
             current, size = [], 0
@@ -200,7 +213,7 @@ def plan_weight_sync(
         size += unit_bytes
     if current:
         buckets.append(tuple(current))
-    return WeightSyncPlan(tuple(tensors), tuple(buckets), shape, world_size, tp_size)
+    return WeightSyncPlan(tuple(tensors), tuple(buckets), shape, world_size, tp_size, wire_dtype)
 
 
 def plan_to_json(plan: WeightSyncPlan) -> str:
@@ -217,6 +230,7 @@ def plan_to_json(plan: WeightSyncPlan) -> str:
             ],
             "world_size": plan.world_size,
             "tp_size": plan.tp_size,
+            "wire_dtype": plan.wire_dtype,
         }
     )
 
@@ -235,4 +249,5 @@ def plan_from_json(text: str) -> WeightSyncPlan:
         AttentionShape(*data["shape"]),
         data["world_size"],
         data["tp_size"],
+        data["wire_dtype"],
     )

@@ -26,7 +26,7 @@ import torch
 
 from rl.shm_owners import SHM_DIR, host_tag, owner_tag
 from rl.sync.pieces import bucket_tensors
-from rl.sync.plan import BYTES_PER_ELEMENT, WeightSyncPlan, owned_rows
+from rl.sync.plan import WIRE_BYTES, WeightSyncPlan, owned_rows
 from rl.sync.transport import TRANSPORTS, SyncSite
 
 NUM_SLOTS = 2
@@ -51,9 +51,9 @@ def slot_paths(prefix: str) -> list[str]:
     return [str(SHM_DIR / f"{prefix}-slot{slot}") for slot in range(NUM_SLOTS)]
 
 
-def slots_bytes_needed(numel: int) -> int:
-    """Free /dev/shm a channel of slots of `numel` fp32 elements needs, with a margin."""
-    size = NUM_SLOTS * numel * BYTES_PER_ELEMENT
+def slots_bytes_needed(numel: int, dtype: str) -> int:
+    """Free /dev/shm a channel of slots of `numel` elements of `dtype` needs, with a margin."""
+    size = NUM_SLOTS * numel * WIRE_BYTES[dtype]
     return size + int(size * SHM_MARGIN) + SHM_RESERVE_BYTES
 
 
@@ -66,15 +66,16 @@ def free_bytes() -> int:
     return fs.f_bavail * fs.f_frsize
 
 
-def _map(fd: int, numel: int) -> torch.Tensor:
-    """Map `numel` fp32 elements of the open file `fd` shared: a write by one process is seen
-    by all. The mapping keeps its own reference to the file."""
-    return torch.frombuffer(mmap.mmap(fd, numel * BYTES_PER_ELEMENT), dtype=torch.float32)
+def _map(fd: int, numel: int, dtype: str) -> torch.Tensor:
+    """Map `numel` elements of `dtype` of the open file `fd` shared: a write by one process is
+    seen by all. The mapping keeps its own reference to the file."""
+    buffer = mmap.mmap(fd, numel * WIRE_BYTES[dtype])
+    return torch.frombuffer(buffer, dtype=getattr(torch, dtype))
 
 
-def create_slots(prefix: str, numel: int) -> list[torch.Tensor]:
-    """Create the channel's files, private to this user, of `numel` fp32 elements and map
-    them. A file or symlink already at a slot's path is refused, never written through."""
+def create_slots(prefix: str, numel: int, dtype: str) -> list[torch.Tensor]:
+    """Create the channel's files, private to this user, of `numel` elements of `dtype` and
+    map them. A file or symlink already at a slot's path is refused, never written through."""
     slots = []
     for path in slot_paths(prefix):
         flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
@@ -86,15 +87,16 @@ def create_slots(prefix: str, numel: int) -> list[torch.Tensor]:
                 "not create): refusing to write the weights through it"
             ) from None
         try:
-            os.ftruncate(fd, numel * BYTES_PER_ELEMENT)
-            slots.append(_map(fd, numel))
+            os.ftruncate(fd, numel * WIRE_BYTES[dtype])
+            slots.append(_map(fd, numel, dtype))
         finally:
             os.close(fd)
     return slots
 
 
-def open_slots(paths: list[str], numel: int) -> list[torch.Tensor]:
-    """Map existing slot files shared (never through a symlink)."""
+def open_slots(paths: list[str], numel: int, dtype: str) -> list[torch.Tensor]:
+    """Map existing slot files of `numel` elements of `dtype` shared (never through a
+    symlink)."""
     slots = []
     for path in paths:
         try:
@@ -111,7 +113,7 @@ def open_slots(paths: list[str], numel: int) -> list[torch.Tensor]:
                 f"weight-sync slot {path} is a symlink: refusing to map the weights through it"
             ) from None
         try:
-            slots.append(_map(fd, numel))
+            slots.append(_map(fd, numel, dtype))
         finally:
             os.close(fd)
     return slots
@@ -164,7 +166,7 @@ def write_rows(
     local_rows: dict[str, torch.Tensor],
 ) -> None:
     """Copy trainer `rank`'s rows of every tensor of `bucket` (`local_rows[name]`: its FSDP2
-    shard, any dtype and device) to their place in `slot`."""
+    shard, any dtype and device) to their place in `slot`, cast to the slot's dtype."""
     for spec, offset in zip(plan.buckets[bucket], plan.offsets(bucket), strict=True):
         start, stop = owned_rows(spec.num_rows, rank, plan.world_size)
         local = local_rows[spec.name]
@@ -178,9 +180,9 @@ class SharedMemoryChannel:
         self._plan = plan
         # Member 0 (trainer rank 0) creates the files; it is opened before everyone else.
         if member == 0:
-            self._slots = create_slots(prefix, plan.slot_numel)
+            self._slots = create_slots(prefix, plan.slot_numel, plan.wire_dtype)
         else:
-            self._slots = open_slots(slot_paths(prefix), plan.slot_numel)
+            self._slots = open_slots(slot_paths(prefix), plan.slot_numel, plan.wire_dtype)
         self._member = member
 
     def write(

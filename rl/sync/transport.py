@@ -82,7 +82,7 @@ def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: in
     default) would otherwise kill the first sync with SIGBUS, once its pages run out."""
     space = (
         f"/dev/shm has {shm_free / 2**20:.1f} MiB free of the {shm_needed / 2**20:.1f} MiB "
-        "the shared-memory transport needs (two slots of the largest bucket in fp32, and a margin)"
+        "the shared-memory transport needs (two slots of the largest bucket, and a margin)"
     )
     if setting == "auto":
         if num_nodes > 1:

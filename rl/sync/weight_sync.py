@@ -38,15 +38,18 @@ class WeightSync:
         self._keeps_pushed = cfg.scheduler.keeps_pushed_weights
         self.pushed_version = 0  # the rollout's checkpoint until the first push
         tensors, shape = ray.get(self._trainers[0].weight_sync_spec.remote())
-        # What a sync of the whole model moves, in fp32: with LoRA a sync sends far less.
-        self.full_model_bytes = 4 * ray.get(self._trainers[0].num_model_params.remote())
+        # Weights travel in the engines' dtype, which their loaders would cast them to anyway.
         self.plan: WeightSyncPlan = plan_weight_sync(
             tensors,
             shape,
             world_size=len(self._trainers),
             tp_size=cfg.rollout.tensor_parallel_size,
             bucket_bytes=int(cfg.rollout.weight_bucket_mb * (1 << 20)),
+            wire_dtype=cfg.model.dtype,
         )
+        # What a sync of the whole model moves: with LoRA a sync sends far less.
+        num_params = ray.get(self._trainers[0].num_model_params.remote())
+        self.full_model_bytes = self.plan.bytes_per_element * num_params
         nodes = set(ray.get([w.node_id.remote() for w in self._trainers]))
         nodes |= set(ray.get([w.node_id.remote() for w in rollout.workers]))
         self.num_nodes = len(nodes)
@@ -57,7 +60,7 @@ class WeightSync:
             cfg.rollout.weight_transport,
             self.num_nodes,
             shm_free=shared_memory.free_bytes(),
-            shm_needed=shared_memory.slots_bytes_needed(self.plan.slot_numel),
+            shm_needed=shared_memory.slots_bytes_needed(self.plan.slot_numel, cfg.model.dtype),
         )
         self._plan_json = plan_to_json(self.plan)
         self._traits = TRANSPORTS.traits(self.transport)

@@ -77,7 +77,9 @@ def sync_between_ranks(
     rank 0 creates its files); rank 0 reads the tensors back.
     Returns (what rank 0 read, the full parameters) on rank 0, empty dicts on rank 1."""
     specs, shape = trainer.weight_sync_spec()
-    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14)
+    plan = plan_weight_sync(
+        specs, shape, world_size=2, tp_size=1, bucket_bytes=1 << 14, wire_dtype="float32"
+    )
     spec = SharedMemorySpec(prefix)
     try:
         if rank == 0:  # rank 0 creates the buffers
@@ -86,7 +88,7 @@ def sync_between_ranks(
         if rank == 1:
             trainer.open_weight_sender(plan, spec)
         full = {n: p.detach().full_tensor() for n, p in trainer.policy.model.named_parameters()}
-        slots = open_slots(slot_paths(prefix), plan.slot_numel)
+        slots = open_slots(slot_paths(prefix), plan.slot_numel, "float32")
         synced = {}
         for bucket in range(len(plan.buckets)):
             trainer.write_weight_bucket(bucket)

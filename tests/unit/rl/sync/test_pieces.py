@@ -10,21 +10,35 @@ from rl.sync.plan import AttentionShape, owned_rows, plan_weight_sync
 from tests.helpers.sync_specs import SYNC_SHAPE, SYNC_SPECS
 
 
-@pytest.mark.parametrize(("world_size", "tp_size"), [(1, 1), (2, 1), (3, 2), (2, 4)])
-def test_unpacked_regions_equal_the_full_tensors(world_size: int, tp_size: int) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "tp_size", "wire"),
+    [
+        (1, 1, "float32"),
+        (2, 1, "float32"),
+        (3, 2, "float32"),
+        (2, 4, "float32"),
+        (3, 2, "bfloat16"),
+    ],
+)
+def test_unpacked_regions_equal_the_full_tensors_in_the_wire_dtype(
+    world_size: int, tp_size: int, wire: str
+) -> None:
     shape = AttentionShape(8, 4, 16, 1000) if tp_size == 4 else SYNC_SHAPE
-    plan = plan_weight_sync(SYNC_SPECS, shape, world_size, tp_size, bucket_bytes=100_000)
+    plan = plan_weight_sync(
+        SYNC_SPECS, shape, world_size, tp_size, bucket_bytes=100_000, wire_dtype=wire
+    )
+    dtype = getattr(torch, wire)
     full = {
         s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i))
         for i, s in enumerate(SYNC_SPECS)
     }
     # Buffers made once and reused for every bucket, as the transport does.
     packed = {
-        (rank, t): torch.empty(max_piece_numel(plan, rank, t))
+        (rank, t): torch.empty(max_piece_numel(plan, rank, t), dtype=dtype)
         for rank in range(world_size)
         for t in range(tp_size)
     }
-    flat = torch.full((plan.slot_numel,), float("nan"))
+    flat = torch.full((plan.slot_numel,), float("nan"), dtype=dtype)
     for bucket in range(len(plan.buckets)):
         for tp_rank in range(tp_size):
             pieces = []
@@ -43,7 +57,7 @@ def test_unpacked_regions_equal_the_full_tensors(world_size: int, tp_size: int) 
                 spec = next(s for s in SYNC_SPECS if s.name == name)
                 r = plan.region(spec, tp_rank)
                 got = tensor.reshape(spec.num_rows, -1)
-                want = full[name].reshape(spec.num_rows, -1)
+                want = full[name].to(dtype).reshape(spec.num_rows, -1)
                 assert tensor.shape == spec.shape
                 assert torch.equal(
                     got[r.row_start : r.row_stop, r.col_start : r.col_stop],

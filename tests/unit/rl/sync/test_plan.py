@@ -111,25 +111,34 @@ def test_load_units_fuse_qkv_and_gate_up() -> None:
     assert load_unit("lm_head.weight") == "lm_head"
 
 
-def test_buckets_hold_whole_units_within_the_budget() -> None:
+@pytest.mark.parametrize(("wire", "element"), [("float32", 4), ("bfloat16", 2)])
+def test_buckets_hold_whole_units_within_the_budget_in_the_wire_dtype(
+    wire: str, element: int
+) -> None:
     specs = _model(2)
     bucket_bytes = 20 << 20
-    plan = plan_weight_sync(specs, SHAPE, world_size=2, tp_size=2, bucket_bytes=bucket_bytes)
+    plan = plan_weight_sync(
+        specs, SHAPE, world_size=2, tp_size=2, bucket_bytes=bucket_bytes, wire_dtype=wire
+    )
     assert [s for bucket in plan.buckets for s in bucket] == specs  # each once, in order
     units_seen: set[str] = set()
     for bucket in plan.buckets:
         units = {load_unit(s.name) for s in bucket}
         assert not units & units_seen  # a unit never spans buckets
         units_seen |= units
-        size = 4 * sum(s.num_rows * s.num_cols for s in bucket)
+        size = element * sum(s.num_rows * s.num_cols for s in bucket)
         assert size <= bucket_bytes or len(units) == 1  # only a lone unit may exceed it
+    numel = sum(s.num_rows * s.num_cols for s in specs)
+    assert plan.total_bytes == element * numel and plan.bytes_per_element == element
     # The 545 MB embedding travels alone, so a slot holds it whole.
     assert plan.buckets[0] == (specs[0],)
     assert plan.slot_numel == SHAPE.vocab_size * 896
 
 
 def test_offsets_lay_a_bucket_out_whole_and_the_slot_fits_the_largest() -> None:
-    plan = plan_weight_sync(_model(1), SHAPE, world_size=3, tp_size=2, bucket_bytes=8 << 20)
+    plan = plan_weight_sync(
+        _model(1), SHAPE, world_size=3, tp_size=2, bucket_bytes=8 << 20, wire_dtype="float32"
+    )
     for bucket, specs in enumerate(plan.buckets):
         sizes = [s.num_rows * s.num_cols for s in specs]
         assert plan.offsets(bucket) == [sum(sizes[:i]) for i in range(len(sizes))]
@@ -139,19 +148,28 @@ def test_offsets_lay_a_bucket_out_whole_and_the_slot_fits_the_largest() -> None:
 
 def test_everything_frozen_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="every parameter is frozen"):
-        plan_weight_sync([], SHAPE, world_size=2, tp_size=1, bucket_bytes=1 << 20)
+        plan_weight_sync(
+            [], SHAPE, world_size=2, tp_size=1, bucket_bytes=1 << 20, wire_dtype="float32"
+        )
 
 
 def test_slicing_halves_the_bytes_per_rank_at_tp2() -> None:
-    plan = plan_weight_sync(_model(2), SHAPE, world_size=2, tp_size=2, bucket_bytes=64 << 20)
-    whole = plan_weight_sync(_model(2), SHAPE, world_size=2, tp_size=1, bucket_bytes=64 << 20)
+    plan = plan_weight_sync(
+        _model(2), SHAPE, world_size=2, tp_size=2, bucket_bytes=64 << 20, wire_dtype="float32"
+    )
+    whole = plan_weight_sync(
+        _model(2), SHAPE, world_size=2, tp_size=1, bucket_bytes=64 << 20, wire_dtype="float32"
+    )
     assert whole.bytes_to_rank(0) == whole.total_bytes == plan.total_bytes
     # Everything but norms, biases of row-parallel layers and replicated kv is split in two.
     assert 0.5 < plan.bytes_to_rank(0) / plan.total_bytes < 0.51
 
 
-def test_plan_survives_json() -> None:
-    plan = plan_weight_sync(_model(1), SHAPE, world_size=2, tp_size=2, bucket_bytes=8 << 20)
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_plan_survives_json(wire: str) -> None:
+    plan = plan_weight_sync(
+        _model(1), SHAPE, world_size=2, tp_size=2, bucket_bytes=8 << 20, wire_dtype=wire
+    )
     assert plan_from_json(plan_to_json(plan)) == plan
 
 
@@ -160,7 +178,8 @@ def test_plan_survives_json() -> None:
     [({"world_size": 0}, "world_size=0"), ({"bucket_bytes": 0}, "bucket_bytes=0")],
 )
 def test_plan_rejects_bad_sizes(kwargs: dict, message: str) -> None:
-    args = {"world_size": 2, "tp_size": 1, "bucket_bytes": 1 << 20, **kwargs}
+    args = {"world_size": 2, "tp_size": 1, "bucket_bytes": 1 << 20, "wire_dtype": "float32"}
+    args |= kwargs
     with pytest.raises(ValueError, match=message):
         plan_weight_sync(_model(1), SHAPE, **args)
 
@@ -186,7 +205,9 @@ def test_a_lora_plan_sends_each_adapter_whole_to_every_tp_rank_and_nothing_else(
     specs = trained_tensors(model)
     assert {s.name.rsplit(".", 3)[-3] for s in specs} == {"lora_A", "lora_B"}
     shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
-    plan = plan_weight_sync(specs, shape, world_size=2, tp_size=tp_size, bucket_bytes=1 << 20)
+    plan = plan_weight_sync(
+        specs, shape, world_size=2, tp_size=tp_size, bucket_bytes=1 << 20, wire_dtype="float32"
+    )
     # vLLM's LoRA layers slice an adapter for their TP rank themselves: each rank gets it whole.
     for spec in specs:
         for tp_rank in range(tp_size):

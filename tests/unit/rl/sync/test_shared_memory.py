@@ -45,22 +45,29 @@ def prefix() -> Iterator[str]:
     remove_slots(name)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_ranks_writing_their_rows_leave_whole_tensors_in_the_slot(
-    prefix: str, world_size: int
+@pytest.mark.parametrize(
+    ("world_size", "wire"), [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")]
+)
+def test_ranks_writing_their_rows_leave_whole_tensors_in_the_slot_in_the_wire_dtype(
+    prefix: str, world_size: int, wire: str
 ) -> None:
-    plan = plan_weight_sync(SYNC_SPECS, SYNC_SHAPE, world_size, 2, bucket_bytes=100_000)
+    plan = plan_weight_sync(
+        SYNC_SPECS, SYNC_SHAPE, world_size, 2, bucket_bytes=50_000, wire_dtype=wire
+    )
     assert len(plan.buckets) > NUM_SLOTS  # slots are reused
     full = {
         s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(i))
         for i, s in enumerate(SYNC_SPECS)
     }
-    writers = [create_slots(prefix, plan.slot_numel)]
-    writers += [open_slots(slot_paths(prefix), plan.slot_numel) for _ in range(1, world_size)]
-    reader = open_slots(slot_paths(prefix), plan.slot_numel)  # another process's mapping
+    writers = [create_slots(prefix, plan.slot_numel, wire)]
+    writers += [open_slots(slot_paths(prefix), plan.slot_numel, wire) for _ in range(1, world_size)]
+    reader = open_slots(slot_paths(prefix), plan.slot_numel, wire)  # another process's mapping
+    # The files hold the wire dtype: bf16 moves half the bytes of fp32.
+    element = {"float32": 4, "bfloat16": 2}[wire]
+    assert os.path.getsize(slot_paths(prefix)[0]) == plan.slot_numel * element
     for bucket in range(len(plan.buckets)):
         for rank in range(world_size):
-            shards = {
+            shards = {  # the trainer's fp32 rows
                 s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, world_size))]
                 for s in plan.buckets[bucket]
             }
@@ -68,23 +75,26 @@ def test_ranks_writing_their_rows_leave_whole_tensors_in_the_slot(
         got = bucket_tensors(reader[bucket % NUM_SLOTS], plan, bucket)
         assert [name for name, _ in got] == [s.name for s in plan.buckets[bucket]]
         for name, tensor in got:
-            assert torch.equal(tensor, full[name]), name
+            # Rounded as an engine of that dtype rounds fp32 weights when it loads them.
+            assert torch.equal(tensor, full[name].to(getattr(torch, wire))), name
 
 
 def test_missing_slot_files_name_the_host_requirement(prefix: str) -> None:
     with pytest.raises(FileNotFoundError, match="share one host"):
-        open_slots(slot_paths(prefix), 16)
+        open_slots(slot_paths(prefix), 16, "float32")
 
 
 def test_remove_slots_deletes_the_channel_files(prefix: str) -> None:
-    create_slots(prefix, 16)
+    create_slots(prefix, 16, "float32")
     assert len(list(SHM_DIR.glob(f"{prefix}-*"))) == NUM_SLOTS
     remove_slots(prefix)
     assert not any(Path(p).exists() for p in slot_paths(prefix))
 
 
 def test_channels_hand_readers_the_tensors_writers_wrote(prefix: str) -> None:
-    plan = plan_weight_sync(SYNC_SPECS, SYNC_SHAPE, 2, 1, bucket_bytes=100_000)
+    plan = plan_weight_sync(
+        SYNC_SPECS, SYNC_SHAPE, 2, 1, bucket_bytes=100_000, wire_dtype="float32"
+    )
     spec = SharedMemorySpec(prefix)
     writers = [open_channel(plan, spec, member=rank) for rank in range(2)]  # rank 0 creates
     reader = open_channel(plan, spec, member=2)
@@ -102,7 +112,7 @@ def test_channels_hand_readers_the_tensors_writers_wrote(prefix: str) -> None:
 def test_slot_files_are_private_whatever_the_umask(prefix: str) -> None:
     old_umask = os.umask(0)
     try:
-        create_slots(prefix, 16)
+        create_slots(prefix, 16, "float32")
     finally:
         os.umask(old_umask)
     for path in slot_paths(prefix):
@@ -123,7 +133,7 @@ def test_an_existing_file_or_symlink_at_a_slot_path_is_never_written(
     else:
         path.symlink_to(victim)
     with pytest.raises(FileExistsError, match=f"{path} already exists.*refusing"):
-        create_slots(prefix, 16)
+        create_slots(prefix, 16, "float32")
     assert victim.read_bytes() == b"not weights"
     assert path.is_symlink() == (planted == "symlink")
     if planted == "file":
@@ -137,11 +147,11 @@ def test_readers_refuse_a_symlink_at_a_slot_path(prefix: str, tmp_path: Path) ->
     Path(paths[0]).symlink_to(victim)
     Path(paths[1]).write_bytes(bytes(64))
     with pytest.raises(PermissionError, match=f"{paths[0]} is a symlink"):
-        open_slots(paths, 16)
+        open_slots(paths, 16, "float32")
 
 
 def test_the_space_a_channel_needs_covers_both_slots_in_fp32() -> None:
-    assert slots_bytes_needed(1 << 20) > NUM_SLOTS * 4 * (1 << 20)
+    assert slots_bytes_needed(1 << 20, "float32") > NUM_SLOTS * 4 * (1 << 20)
 
 
 def _exited_process(reap: bool) -> tuple[str, subprocess.Popen]:
@@ -169,7 +179,7 @@ def _channel_of_a_killed_driver() -> str:
         "import sys\n"
         "from rl.sync.shared_memory import channel_prefix, create_slots\n"
         "prefix = channel_prefix()\n"
-        "create_slots(prefix, 16)\n"
+        "create_slots(prefix, 16, 'float32')\n"
         "print(prefix, flush=True)\n"
         "sys.stdin.read()\n"
     )
@@ -192,7 +202,7 @@ def _channel_of_a_killed_driver() -> str:
 def _segment(owner: str) -> str:
     """A channel's slot files, named as owned by `owner`."""
     prefix = f"tandem-{owner}-{uuid.uuid4().hex[:12]}"
-    create_slots(prefix, 16)
+    create_slots(prefix, 16, "float32")
     return prefix
 
 
