@@ -15,6 +15,11 @@ engine is. Two ways over CUDA IPC, each timed over --rounds syncs after a warm-u
 - the tensors themselves: the receiver opened the sender's parameters by IPC handle once (they
   live as long as the trainer) and copies each straight into its weights when told a version
   is ready (vLLM's "ipc" weight-transfer engine does this). One device copy per byte.
+- the product's own transport, `rl.sync.gathered` (rollout.weight_transport=gathered): its
+  trainer end (one rank: nothing to all-gather) writes each bucket of the transfer plan into
+  its slots, which its rollout end opened from the CUDA IPC handles the trainer end exported;
+  the receiver copies the tensors it reads into its weights, as vLLM's loaders do. This is
+  the GPU code path of weight sync itself, run here without vLLM.
 
 Bounds, in the sender's process: one device-to-device copy of all the bytes (what the second
 way can at best reach), and device -> pinned host -> device of the same bytes, and of the fp32
@@ -33,6 +38,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
+
+from rl.sync.gathered import GatheredSpec, SlotExport
+from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan, plan_weight_sync
 
 # (hidden, intermediate, layers, heads, kv heads, vocab): untied embeddings, q/k/v biases.
 SHAPES = {
@@ -88,6 +96,8 @@ class Setup:
     buckets: list[list[str]]
     slots: list[torch.Tensor]  # the two packed-bucket buffers
     params: dict[str, torch.Tensor]  # the sender's own tensors
+    plan: WeightSyncPlan  # the gathered transport's
+    export: SlotExport  # where its rollout end finds the trainer end's slots
 
 
 def _sync(device: torch.device) -> None:
@@ -108,6 +118,8 @@ def receiver(inbox: mp.Queue, outbox: mp.Queue) -> None:
     device = setup.slots[0].device
     dtype = setup.slots[0].dtype
     weights = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in setup.shapes.items()}
+    # The rollout end, as an engine's TP rank opens it (member W + 0).
+    reader = GatheredSpec().with_exports([setup.export]).open(setup.plan, member=1)
     outbox.put("ready")
     while (message := inbox.get())[0] != "stop":
         if message[0] == "checksum":
@@ -116,7 +128,14 @@ def receiver(inbox: mp.Queue, outbox: mp.Queue) -> None:
                 tensor.zero_()
             _sync(device)
             continue
-        if message[0] == "packed":
+        if message[0] == "gathered":
+            for bucket in range(len(setup.plan.buckets)):
+                assert inbox.get() == ("bucket", bucket)
+                for name, tensor in reader.read(bucket):
+                    weights[name].copy_(tensor)
+                _sync(device)
+                outbox.put(("free", bucket))
+        elif message[0] == "packed":
             for bucket, names in enumerate(setup.buckets):
                 assert inbox.get() == ("bucket", bucket)
                 slot, offset = setup.slots[bucket % 2], 0
@@ -150,6 +169,36 @@ def send_packed(setup: Setup, inbox: mp.Queue, outbox: mp.Queue) -> None:
     for bucket in range(max(len(setup.buckets) - 2, 0), len(setup.buckets)):
         assert outbox.get() == ("free", bucket)
     assert outbox.get() == "done"
+
+
+def send_gathered(setup: Setup, writer: object, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    """One sync through the gathered transport's trainer end (`writer`), bucket by bucket
+    as WeightSync drives it: bucket i + 1 written once bucket i - 1 was taken."""
+    inbox.put(("gathered",))
+    buckets = setup.plan.buckets
+    for bucket, specs in enumerate(buckets):
+        if bucket >= 2:
+            assert outbox.get() == ("free", bucket - 2)
+        writer.write(bucket, {spec.name: setup.params[spec.name] for spec in specs}, None)
+        inbox.put(("bucket", bucket))
+    for bucket in range(max(len(buckets) - 2, 0), len(buckets)):
+        assert outbox.get() == ("free", bucket)
+    assert outbox.get() == "done"
+
+
+def gathered_plan(
+    shapes: dict[str, tuple[int, ...]], shape: tuple[int, ...], bucket_mb: float
+) -> WeightSyncPlan:
+    """The transfer plan WeightSync makes for one trainer rank and an engine of TP 1, bf16."""
+    hidden, _, _, heads, kv_heads, vocab = shape
+    return plan_weight_sync(
+        [TensorSpec(name, tuple(s)) for name, s in shapes.items()],
+        AttentionShape(heads, kv_heads, hidden // heads, vocab),
+        world_size=1,
+        tp_size=1,
+        bucket_bytes=int(bucket_mb * (1 << 20)),
+        wire_dtype="bfloat16",
+    )
 
 
 def send_direct(setup: Setup, inbox: mp.Queue, outbox: mp.Queue) -> None:
@@ -215,7 +264,10 @@ def measure(shape: tuple[int, ...], bucket_mb: float, rounds: int, device: torch
     if device.type == "cpu":  # shared with the receiver, as CUDA memory is by IPC
         for tensor in [*slots, *params.values()]:
             tensor.share_memory_()
-    setup = Setup(shapes, buckets, slots, params)
+    plan = gathered_plan(shapes, shape, bucket_mb)
+    spec = GatheredSpec()
+    writer = spec.open(plan, member=0)
+    setup = Setup(shapes, buckets, slots, params, plan, writer.export())
     expected = checksum(params)
     context = mp.get_context("spawn")
     inbox, outbox = context.Queue(), context.Queue()
@@ -225,7 +277,12 @@ def measure(shape: tuple[int, ...], bucket_mb: float, rounds: int, device: torch
         inbox.put(setup)
         assert outbox.get(timeout=300) == "ready"
         results = {}
-        for label, send in (("packed", send_packed), ("direct", send_direct)):
+        senders = {
+            "packed": send_packed,
+            "direct": send_direct,
+            "gathered": lambda setup, inbox, outbox: send_gathered(setup, writer, inbox, outbox),
+        }
+        for label, send in senders.items():
 
             def check(label=label) -> None:
                 inbox.put(("checksum",))
@@ -238,12 +295,18 @@ def measure(shape: tuple[int, ...], bucket_mb: float, rounds: int, device: torch
     finally:
         if process.is_alive():
             process.kill()
+        spec.with_exports([setup.export]).remove()  # the trainer end's slot files, on CPU
     total = sum(numels.values())
     results["copy"] = copy_bound(total, device, dtype, rounds)
     if device.type == "cuda":
         results["host"] = host_staging_bound(total, device, dtype, rounds)
         results["host_fp32"] = host_staging_bound(total, device, torch.float32, rounds)
-    return {"bytes": total * dtype.itemsize, "buckets": len(buckets), "seconds": results}
+    return {
+        "bytes": total * dtype.itemsize,
+        "buckets": len(buckets),
+        "gathered_buckets": len(plan.buckets),
+        "seconds": results,
+    }
 
 
 def table(r: dict) -> str:
@@ -252,6 +315,7 @@ def table(r: dict) -> str:
     rows = [
         ("CUDA IPC, packed buckets (2 copies a byte)", "packed"),
         ("CUDA IPC, the sender's tensors (1 copy a byte)", "direct"),
+        ("rl.sync.gathered, the product's transport (2 copies a byte)", "gathered"),
         ("bound: one device-to-device copy", "copy"),
         ("bound: device -> pinned host -> device, bf16", "host"),
         ("bound: the same in fp32 (today's path moves fp32 rows)", "host_fp32"),

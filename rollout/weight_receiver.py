@@ -193,7 +193,16 @@ class WeightReceiver:
 
     def tandem_apply_bucket(self, bucket: int) -> int:
         """Receive `bucket` and load every layer it completes (vLLM's loaders copy out this
-        rank's region); returns the bytes this rank loads."""
+        rank's region); returns the bytes this rank loads.
+
+        On a GPU the copies out of the slot are queued on the device: they finish before
+        this returns, since the trainer may rewrite the slot once every engine has returned."""
+        num_bytes = self._tandem_apply(bucket)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return num_bytes
+
+    def _tandem_apply(self, bucket: int) -> int:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,

@@ -270,9 +270,11 @@ class PolicyTrainer(RoleRank):
             if ".lora_A." not in name and ".lora_B." not in name
         )
 
-    def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: ChannelSpec) -> None:
-        """Join the weight-sync channel `channel_spec` for `plan`."""
+    def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: ChannelSpec) -> object | None:
+        """Join the weight-sync channel `channel_spec` for `plan`; returns what the readers
+        need of this rank's end (`WeightSender.export`)."""
         self.sender = WeightSender(self.policy.model, plan, self.rank, channel_spec)
+        return self.sender.export()
 
     def write_weight_bucket(
         self, bucket: int, replicas: list[int] | None = None, pushed: bool = False

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rl.sync.plan import AttentionShape, TensorSpec, WeightSyncPlan, load_unit, owned_rows
-from rl.sync.transport import ChannelSpec, open_channel
+from rl.sync.transport import ChannelSpec, ExportingChannel, open_channel
 
 
 def trained_tensors(model: nn.Module) -> list[TensorSpec]:
@@ -59,6 +59,11 @@ class WeightSender:
         self._model, self.plan, self._rank = model, plan, rank
         self._channel = open_channel(plan, channel_spec, member=rank)
         self._base_rss = 0
+
+    def export(self) -> object | None:
+        """Where the readers find what this rank's channel made (`ExportingChannel`), or None
+        for a transport whose readers need nothing from it."""
+        return self._channel.export() if isinstance(self._channel, ExportingChannel) else None
 
     @torch.no_grad()
     def rows(self, bucket: int) -> dict[str, torch.Tensor]:

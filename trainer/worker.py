@@ -88,8 +88,8 @@ class TrainWorker(RankWorker):
     def num_model_params(self) -> int:
         return self.trainer.num_model_params()
 
-    def open_weight_sender(self, plan_json: str, channel_spec: ChannelSpec) -> None:
-        self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
+    def open_weight_sender(self, plan_json: str, channel_spec: ChannelSpec) -> object | None:
+        return self.trainer.open_weight_sender(plan_from_json(plan_json), channel_spec)
 
     def write_weight_bucket(
         self, bucket: int, replicas: list[int] | None = None, pushed: bool = False

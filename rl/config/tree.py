@@ -346,11 +346,13 @@ class RolloutConfig(Section):
         description="Nucleus sampling threshold; training needs 1 (the trainer's log-probs are "
         "of the full softmax, docs/algorithms.md).",
     )
-    weight_transport: Literal["auto", "shared_memory", "distributed"] = Field(
+    weight_transport: Literal["auto", "shared_memory", "distributed", "gathered"] = Field(
         "auto",
         description="Weight-sync transport: shared memory on one node, a gloo group between "
-        "trainer and rollout ranks across nodes; auto picks from the placement, and the gloo "
-        "group on one node when /dev/shm is too small for two buckets.",
+        "trainer and rollout ranks across nodes, or (GPUs, colocate, one node) each bucket "
+        "all-gathered into every trainer GPU and read there by CUDA IPC; auto picks gathered "
+        "for colocated GPUs on one node, else shared memory on one node (the gloo group when "
+        "/dev/shm is too small for two buckets), else the gloo group.",
     )
     weight_bucket_mb: float = Field(
         64.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,15 @@ class Channel(Protocol):
     def read(self, bucket: int) -> list[tuple[str, torch.Tensor]]:
         """A rollout rank's whole `bucket`, as (HF name, full-shaped tensor)."""
         ...
+
+
+@runtime_checkable
+class ExportingChannel(Channel, Protocol):
+    """A trainer rank's end of a transport whose readers open what the writers made (device
+    memory, trait `exports_slots`): `export()` says where, and the driver hands every
+    rank's export to the readers (`ChannelSpec.with_exports`)."""
+
+    def export(self) -> object: ...
 
 
 class ChannelSpec(Protocol):
@@ -62,6 +71,10 @@ class TransportTraits:
     pipelined: bool = False  # bucket i + 1 may be written while bucket i is read
     creator_first: bool = False  # member 0 creates the channel before the others open it
     joined_together: bool = False  # all members join at once (a group): a replacement re-forms it
+    # The readers open what the trainer ranks made as they opened (their slots in device
+    # memory): the driver collects each rank's `export()` and opens the readers with
+    # `spec.with_exports(exports)`.
+    exports_slots: bool = False
 
 
 TRANSPORTS: Registry[Callable[[SyncSite], ChannelSpec], TransportTraits] = Registry(
@@ -74,12 +87,17 @@ def open_channel(plan: WeightSyncPlan, spec: ChannelSpec, member: int) -> Channe
     return spec.open(plan, member)
 
 
-def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: int) -> str:
+def choose_transport(
+    setting: str, num_nodes: int, shm_free: int, shm_needed: int, on_gpu: bool, colocated: bool
+) -> str:
     """The transport for `rollout.weight_transport=setting` when the trainer and rollout
-    workers span `num_nodes` nodes and /dev/shm has `shm_free` of the `shm_needed` bytes the
-    shared-memory transport would take: shared memory on one node where it fits, a gloo group
-    otherwise (which works over loopback on one node too). A too-small /dev/shm (a container's
-    default) would otherwise kill the first sync with SIGBUS, once its pages run out."""
+    workers span `num_nodes` nodes, run on GPUs (`on_gpu`) or CPUs, share their devices
+    (`colocated`), and /dev/shm has `shm_free` of the `shm_needed` bytes the shared-memory
+    transport would take. On colocated GPUs of one node, the gathered transport (the weights
+    never leave the GPUs); else shared memory on one node where it fits, a gloo group
+    otherwise (which works over loopback on one node too). A too-small /dev/shm (a
+    container's default) would otherwise kill the first sync with SIGBUS, once its pages run
+    out."""
     space = (
         f"/dev/shm has {shm_free / 2**20:.1f} MiB free of the {shm_needed / 2**20:.1f} MiB "
         "the shared-memory transport needs (two slots of the largest bucket, and a margin)"
@@ -87,6 +105,8 @@ def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: in
     if setting == "auto":
         if num_nodes > 1:
             return "distributed"
+        if on_gpu and colocated:
+            return "gathered"
         if shm_free < shm_needed:
             print(
                 f"weight sync: {space}: using the distributed (gloo) transport",
@@ -99,6 +119,12 @@ def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: in
             f"rollout.weight_transport={setting}, but the trainer and rollout workers run "
             f"on {num_nodes} nodes: use 'distributed' (or 'auto'), or place them on one node"
         )
+    if setting == "gathered" and on_gpu and not colocated:
+        raise ValueError(
+            "rollout.weight_transport=gathered reads each bucket on the GPU of a trainer rank, "
+            "but scheduler.placement=split gives the engines GPUs of their own: use "
+            "'distributed' (or 'auto'), or scheduler.placement=colocate"
+        )
     if setting == "shared_memory" and shm_free < shm_needed:
         raise ValueError(
             f"rollout.weight_transport=shared_memory, but {space}: enlarge /dev/shm "
@@ -109,4 +135,4 @@ def choose_transport(setting: str, num_nodes: int, shm_free: int, shm_needed: in
 
 
 # The registered transports (each registers itself on import).
-from rl.sync import distributed, shared_memory  # noqa: E402, F401
+from rl.sync import distributed, gathered, shared_memory  # noqa: E402, F401

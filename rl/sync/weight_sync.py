@@ -25,9 +25,15 @@ from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
 from rl.sync import shared_memory
 from rl.sync.plan import WeightSyncPlan, plan_to_json, plan_weight_sync
-from rl.sync.transport import TRANSPORTS, SyncSite, choose_transport
+from rl.sync.transport import TRANSPORTS, ChannelSpec, SyncSite, choose_transport
 
 _MB = float(1 << 20)
+
+
+def _remove(specs: list[ChannelSpec]) -> None:
+    """Delete what the channels of `specs` leave behind their processes."""
+    for spec in specs:
+        spec.remove()
 
 
 class WeightSync:
@@ -61,11 +67,15 @@ class WeightSync:
             self.num_nodes,
             shm_free=shared_memory.free_bytes(),
             shm_needed=shared_memory.slots_bytes_needed(self.plan.slot_numel, cfg.model.dtype),
+            on_gpu=ray.get(self._trainers[0].device_name.remote()) != "cpu",
+            colocated=cfg.scheduler.placement == "colocate",
         )
         self._plan_json = plan_to_json(self.plan)
         self._traits = TRANSPORTS.traits(self.transport)
         self._prefix = shared_memory.channel_prefix()  # this process owns the channel's files
         self._cleanup: weakref.finalize | None = None
+        self._readers_spec: ChannelSpec | None = None  # what the rollout ranks open
+        self._made: list[ChannelSpec] = []  # every spec opened: each removes what it left
         self._connect()
         self.failed: list[int] = []  # rollout workers lost during the last `stream`
         self.metrics: dict[str, float] = {}  # of the last `stream`
@@ -75,11 +85,15 @@ class WeightSync:
         transport whose members join together (a gloo group) is always re-formed by all."""
         workers = self._rollout.workers
         first_member = [len(self._trainers) + i * self.plan.tp_size for i in range(len(workers))]
-        addr, port = ray.get(self._trainers[0].get_master_addr_port.remote())
-        spec = TRANSPORTS.get(self.transport)(SyncSite(self._prefix, addr, port, len(workers)))
+        if self._readers_spec is None or indices is None or self._traits.joined_together:
+            addr, port = ray.get(self._trainers[0].get_master_addr_port.remote())
+            spec = TRANSPORTS.get(self.transport)(SyncSite(self._prefix, addr, port, len(workers)))
+            self._readers_spec = spec
+            self._made.append(spec)
+        spec = self._readers_spec
         if self._cleanup is None:
             # /dev/shm outlives processes: delete what the channel leaves however the driver exits.
-            self._cleanup = weakref.finalize(self, spec.remove)
+            self._cleanup = weakref.finalize(self, _remove, self._made)
         if self._traits.joined_together:
             # Joining blocks until every member has joined: start them all, then wait.
             ray.get(
@@ -95,7 +109,10 @@ class WeightSync:
             if self._traits.creator_first:  # rank 0 creates the channel the others map
                 ray.get(opening[0].open_weight_sender.remote(self._plan_json, spec))
                 opening = opening[1:]
-            ray.get([w.open_weight_sender.remote(self._plan_json, spec) for w in opening])
+            exports = ray.get([w.open_weight_sender.remote(self._plan_json, spec) for w in opening])
+            if self._traits.exports_slots:  # the readers open what the ranks just made
+                self._readers_spec = spec = spec.with_exports(exports)
+                self._made.append(spec)
             indices = list(range(len(workers)))
         ray.get(
             [

@@ -27,13 +27,15 @@ def test_the_7b_shape_has_qwen2_5_7b_s_parameter_count() -> None:
     assert abs((total - embeddings) / 1e9 - 6.53) < 0.01
 
 
-def test_both_protocols_deliver_every_bucket_to_the_other_process() -> None:
+def test_every_protocol_and_the_gathered_transport_deliver_every_bucket_to_the_other_process() -> (
+    None
+):
     # Buckets of about 40 KB: the tiny model's 16 KiB-element embedding sets the slot size,
     # so the sync takes several buckets and reuses both slots.
     result = gpu_weight_sync.measure(
         gpu_weight_sync.SHAPES["tiny"], bucket_mb=0.02, rounds=2, device=torch.device("cpu")
     )
-    assert result["buckets"] > 2
-    assert set(result["seconds"]) == {"packed", "direct", "copy"}
+    assert result["buckets"] > 2 and result["gathered_buckets"] > 2  # both slots reused
+    assert set(result["seconds"]) == {"packed", "direct", "gathered", "copy"}
     # measure asserts the receiver's checksum after every sync, its weights zeroed between.
     assert all(seconds > 0 for seconds in result["seconds"].values())

@@ -74,7 +74,11 @@ SETUPS = {
     "qwen2-untied-tp1-lora": ("qwen2", False, 1, 1, 0.02, [], {}, "auto", "vllm"),
     "qwen2-tied-tp2-lora": ("qwen2", True, 2, 1, 0.02, [], {}, "auto", "vllm"),
     "llama-untied-torch-gloo": ("llama", False, 1, 1, 0.02, [], {}, "distributed", "torch"),
+    # Each bucket all-gathered by the trainer ranks into their own slots, in bf16 (the wire
+    # dtype of a bf16 run) read by the engines there: the GPU transport's protocol on CPU.
+    "qwen2-untied-tp1-gathered-bf16": ("qwen2", False, 1, 2, 0.02, [], {}, "gathered", "vllm"),
 }
+BF16 = {"qwen2-untied-tp1-gathered-bf16"}  # setups whose model.dtype is bfloat16
 COMPILED = {"qwen2-untied-tp1-compiled"}  # setups whose engines run rollout.compile=true
 LORA_RANK = {
     "qwen2-untied-torch-lora": 8,
@@ -117,6 +121,7 @@ def setup(request: pytest.FixtureRequest, ray_cluster: None):
         {
             "model": {
                 "path": str(model_dir),
+                "dtype": "bfloat16" if request.param in BF16 else "float32",
                 "frozen": frozen,
                 "lora": {"rank": LORA_RANK.get(request.param, 0)},
             },
@@ -180,10 +185,17 @@ def _gaps(setup: Setup, workers: list | None = None) -> list[float]:
     return gaps
 
 
+def _tolerance(setup: Setup) -> float:
+    """The largest log-prob gap of an engine serving the trainer's weights. In fp32 both
+    sides agree to rounding; in bf16 vLLM's kernels and the trainer's round differently, yet
+    an engine a version behind is two orders of magnitude further off (docs/benchmarks.md)."""
+    return 2e-2 if setup.cfg.model.dtype == "bfloat16" else 1e-4
+
+
 def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) -> None:
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
     _large_update(setup)
-    assert min(_gaps(setup)) > 1e-2  # the check sees stale weights
+    assert min(_gaps(setup)) > 1e-2 + 10 * _tolerance(setup)  # the check sees stale weights
     version = 1 + max(setup.rollout.versions())
     # The time-sliced handover's calls around a push (rl.run.scheduler.loop), through every actor: on
     # CPU nothing moves, but each call must reach its engine or rank.
@@ -192,7 +204,7 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
     metrics = setup.sync.push(version)
     setup.trainers.release_memory()
     setup.rollout.reclaim_memory()
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
     assert setup.sync.transport == SETUPS[setup.name][7].replace("auto", "shared_memory")
     assert setup.rollout.versions() == [version] * len(setup.rollout.workers)
     # Each engine's largest TP rank (its own process with TP 2), the sync's peak included.
@@ -213,7 +225,7 @@ def test_rollout_logprobs_equal_the_trainers_after_a_large_update(setup: Setup) 
             _large_update(setup)
             setup.sync.push(later)
             assert setup.rollout.versions() == [later] * len(setup.rollout.workers)
-            assert max(_gaps(setup)) < 1e-4
+            assert max(_gaps(setup)) < _tolerance(setup)
         return
     assert metrics["weight_sync/buckets"] == len(plan.buckets) > 2
     sent = metrics["weight_sync/mb_per_rollout_rank"] * (1 << 20)
@@ -255,7 +267,9 @@ def test_peak_memory_of_a_sync_stays_within_two_buckets(setup: Setup) -> None:
     assert largest_bucket <= peak <= 2 * largest_bucket + margin_mb, (peak, largest_bucket)
 
 
-@pytest.mark.parametrize("setup", ["qwen2-tied-tp2"], indirect=True)
+@pytest.mark.parametrize(
+    "setup", ["qwen2-tied-tp2", "qwen2-untied-tp1-gathered-bf16"], indirect=True
+)
 def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     setup: Setup,
 ) -> None:
@@ -263,17 +277,18 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     version = 1 + max(setup.rollout.versions())
     victim = setup.rollout.workers[1]
     # The shared memory the victim's vLLM (TP 2: its executor and two worker processes) made.
+    tp2 = setup.cfg.rollout.tensor_parallel_size == 2
     pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()))
     (record,) = SHM_DIR.glob(f"tandem-vllm-*-{pid}-*.json")
     segments = json.loads(record.read_text())
-    assert segments and all((SHM_DIR / name).exists() for name in segments)
+    assert all((SHM_DIR / name).exists() for name in segments) and (segments or not tp2)
     for bucket in setup.sync.stream(version):
         if bucket == 1:
             ray.kill(victim, no_restart=True)
     assert setup.sync.failed == [1]
     survivor = setup.rollout.workers[0]
     assert ray.get(survivor.version.remote()) == version  # the others carried on
-    assert max(_gaps(setup, [survivor])) < 1e-4
+    assert max(_gaps(setup, [survivor])) < _tolerance(setup)
 
     setup.sync.repair(version)
     assert setup.rollout.workers[1] is not victim
@@ -281,11 +296,11 @@ def test_a_receiver_killed_mid_transfer_is_replaced_and_gets_the_whole_version(
     assert not record.exists()
     assert not any((SHM_DIR / name).exists() for name in segments)
     assert setup.rollout.versions() == [version, version]
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
 
     _large_update(setup)  # the trainer carries on: the next sync reaches both
     setup.sync.push(version + 1)
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
 
 
 @pytest.mark.parametrize("setup", ["llama-untied-tp2-gloo"], indirect=True)
@@ -317,18 +332,18 @@ def test_a_receiver_lost_mid_transfer_over_gloo_is_replaced_and_the_group_re_for
     assert time.monotonic() - start < 300
     assert setup.rollout.workers[1] is not victim
     assert setup.rollout.versions() == [version, version]
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
 
     _large_update(setup)  # the re-formed group carries the next sync to both
     setup.sync.push(version + 1)
     assert setup.rollout.versions() == [version + 1, version + 1]
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
 
     # A worker lost while generating is replaced alone: the trainers send only to it (a send
     # to the other member, which takes no part, would never complete).
     setup.sync.replace([0], version + 1)
     assert setup.rollout.versions() == [version + 1, version + 1]
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
 
 
 @pytest.mark.parametrize("setup", ["qwen2-tied-tp2", "qwen2-tied-torch"], indirect=True)
@@ -348,7 +363,7 @@ def test_a_partly_applied_update_is_never_served(setup: Setup) -> None:
     assert ray.get(worker.version.remote()) == served
 
     setup.sync.push(version)  # the next sync succeeds and the worker serves again
-    assert max(_gaps(setup)) < 1e-4
+    assert max(_gaps(setup)) < _tolerance(setup)
     samples = ray.get(worker.generate.remote(fresh_samples([[5, 6, 7]], 1, [0]), params))
     assert samples[0].token_versions == [version] * len(samples[0].response_ids)
 
