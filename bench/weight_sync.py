@@ -2,7 +2,7 @@
 trainer group into one vLLM engine with TP = 1 and TP = 2, against the memcpy lower bound.
 
     .venv/bin/python bench/weight_sync.py [--syncs 3] [--bucket-mb 64] [--demo-steps 20]
-        [--dtypes float32,bfloat16] [--quick]
+        [--dtypes float32,bfloat16] [--transports shared_memory,distributed,gathered] [--quick]
 
 Each measurement runs in a child process that starts Ray, the trainer group and the engine:
   time    per TP size and transport (shared_memory, distributed): the end-to-end seconds of a
@@ -209,6 +209,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--dtype", default="float32")  # a child's
     parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--transports", default="shared_memory,distributed")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.floor:
@@ -228,7 +229,7 @@ def main() -> None:
     mib = 1 << 20
     overlap = []  # (TP, pipelined s, serial s) of the shared-memory rows
     for dtype, tp_size, transport in itertools.product(
-        args.dtypes.split(","), (1, 2), ("shared_memory", "distributed")
+        args.dtypes.split(","), (1, 2), args.transports.split(",")
     ):
         child = ("--child", str(tp_size), "--transport", transport, "--dtype", dtype)
         timed = _run_child(args, *child)

@@ -6,7 +6,8 @@ gradients and AdamW's two moments (16 bytes a parameter over W ranks; with LoRA,
 frozen base parameter and 16 an adapter parameter), the frozen reference's shard (4 bytes
 over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathered in the compute dtype (the root's
 embeddings and head, the current layer and the prefetched next), the activations a
-micro-batch saves for backward, and the fused log-prob kernel's workspace. A rollout worker
+micro-batch saves for backward, the fused log-prob kernel's workspace, and on GPUs the weight
+transport's buffers. A rollout worker
 holds its tensor-parallel slice of the weights and the KV cache. The figures leave out
 allocator fragmentation and runtime overheads (CUDA context, NCCL buffers: about 1-2 GiB a
 GPU), so a plan within a few percent of the limit is not safe.
@@ -92,6 +93,15 @@ class ModelShape:
         h, q_dim = self.hidden_size, self.num_heads * self.head_dim
         attention = 2 * h * q_dim + 2 * h * self.kv_dim + self.num_attention_bias
         return attention + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def largest_load_unit(self) -> int:
+        """Elements of the largest tensors vLLM loads as one layer, which travel in one bucket
+        whatever its size: the embedding (or LM head), a layer's fused gate/up or q/k/v."""
+        h, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        return max(
+            self.vocab_size * h, 2 * self.intermediate_size * h, h * (q_dim + 2 * self.kv_dim)
+        )
 
     @property
     def num_root_params(self) -> int:
@@ -219,6 +229,32 @@ def rollout_rank(cfg: Config, shape: ModelShape) -> tuple[RoleMemory, float]:
     return RoleMemory("rollout TP rank", parts), parts["weights"] + rollout.kv_cache_gb * GIB
 
 
+def largest_bucket_bytes(cfg: Config, shape: ModelShape) -> float:
+    """A weight sync's largest bucket in the wire dtype (model.dtype): rollout.weight_bucket_mb,
+    or the largest load unit where that is larger; with LoRA only the adapters travel."""
+    wire = _DTYPE_BYTES[cfg.model.dtype]
+    bucket = cfg.rollout.weight_bucket_mb * (1 << 20)
+    lora = cfg.model.lora
+    if lora.enabled:
+        return min(bucket, wire * shape.num_adapter_params(lora.rank, lora.target_modules))
+    return max(bucket, wire * shape.largest_load_unit)
+
+
+def sync_buffers(cfg: Config, shape: ModelShape) -> tuple[float, float]:
+    """(a trainer rank's, a rollout rank's) weight-sync buffers on GPUs, which stay allocated
+    between syncs. Gathered (colocated, auto or asked for): two slots of the largest bucket,
+    the all-gather's output and this rank's piece of it, on every trainer GPU, which the
+    engine there reads. Distributed (NCCL): at most a bucket of pieces packed on a trainer
+    rank, and on an engine rank the pieces received and the bucket they are laid out in."""
+    bucket = largest_bucket_bytes(cfg, shape)
+    transport = cfg.rollout.weight_transport
+    if cfg.scheduler.placement == "colocate" and transport in ("auto", "gathered"):
+        return (3 + 1 / cfg.trainer.num_workers) * bucket, 0.0
+    if transport in ("auto", "distributed"):
+        return bucket, 2 * bucket
+    return 0.0, 0.0
+
+
 def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool) -> str:
     """The estimate, one line a role, and the verdict; PlanDoesNotFit with the fix when the
     plan needs more than `device_bytes` per GPU (on_gpu) or in host memory (CPU: every
@@ -229,6 +265,7 @@ def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool
     lines = [trainer.describe()]
     if critic is not None:
         lines.append(critic.describe())
+    rollout_line = len(lines)
     lines.append(rollout.describe())
     # The critic trains after the policy: their states stay resident, activations do not add up.
     trainer_side = trainer.total + (critic.total - critic.parts["activations"] if critic else 0)
@@ -244,7 +281,23 @@ def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool
                 + "; raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size"
             )
         colocated = cfg.scheduler.placement == "colocate"
-        needed = trainer_side + (reserve if colocated else 0)
+        trainer_sync, rollout_sync = sync_buffers(cfg, shape)
+        if trainer_sync:
+            trainer.parts["weight-sync buffers"] = trainer_sync
+            lines[0] = trainer.describe()
+            trainer_side += trainer_sync
+        if rollout_sync:
+            # Outside vLLM's reserve: the engine's own memory beside it.
+            rollout.parts["weight-sync buffers"] = rollout_sync
+            lines[rollout_line] = rollout.describe()
+        if not colocated and reserve + rollout_sync > device_bytes:
+            raise PlanDoesNotFit(
+                _verdict(
+                    lines, "vLLM's reserve and the weight-sync buffers exceed a rollout device"
+                )
+                + "; lower rollout.gpu_memory_utilization or rollout.weight_bucket_mb"
+            )
+        needed = trainer_side + (reserve + rollout_sync if colocated else 0)
         where = "a device shared by a trainer rank and vLLM" if colocated else "a trainer device"
     else:
         needed = trainer.total * cfg.trainer.num_workers + cpu_reserve * cfg.rollout.num_workers

@@ -348,17 +348,20 @@ class RolloutConfig(Section):
     )
     weight_transport: Literal["auto", "shared_memory", "distributed", "gathered"] = Field(
         "auto",
-        description="Weight-sync transport: shared memory on one node, a gloo group between "
-        "trainer and rollout ranks across nodes, or (GPUs, colocate, one node) each bucket "
-        "all-gathered into every trainer GPU and read there by CUDA IPC; auto picks gathered "
-        "for colocated GPUs on one node, else shared memory on one node (the gloo group when "
-        "/dev/shm is too small for two buckets), else the gloo group.",
+        description="Weight-sync transport: shared memory on one node; distributed, a process "
+        "group between trainer and rollout ranks (gloo on CPU, NCCL on GPUs: each trainer rank "
+        "sends each engine rank its own rows, no all-gather); or gathered (GPUs, colocate, one "
+        "node), each bucket all-gathered into every trainer GPU and read there by CUDA IPC. "
+        "auto picks gathered for colocated GPUs on one node, distributed across nodes or for "
+        "GPUs of their own, else shared memory (distributed when /dev/shm is too small for two "
+        "buckets).",
     )
     weight_bucket_mb: float = Field(
         64.0,
         gt=0,
-        description="Weight-sync bucket size in MiB of full fp32 tensors (a layer larger than "
-        "this travels alone); each process holds at most two buckets extra during a sync.",
+        description="Weight-sync bucket size in MiB of full tensors in model.dtype, the dtype "
+        "they travel in (a layer larger than this travels alone); each process holds at most "
+        "two buckets extra during a sync.",
     )
 
 

@@ -1,6 +1,13 @@
-"""The distributed transport (across hosts): a gloo group over every member (rl.sync.gloo_group);
-each trainer rank sends each rollout rank exactly the bytes of its regions it owns
-(rl.sync.pieces). Not pipelined: the sends of a bucket complete as the receivers take it.
+"""The distributed transport (across hosts, or GPUs of their own): a process group over every
+member (rl.sync.peer_group), gloo on CPU and NCCL on GPUs; each trainer rank sends each
+rollout rank exactly the bytes of its regions it owns (rl.sync.pieces), straight from its
+shard: a resharding without any all-gather, device to device on GPUs. Not pipelined: the
+sends of a bucket complete as the receivers take them.
+
+On GPUs the pieces never pass through host memory; NCCL needs the messages between two
+ranks in one order, which the plan gives: a trainer rank sends a bucket's pieces to the
+rollout ranks by member number, buckets in order, and a rollout rank receives them from the
+trainer ranks by rank.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.sync.gloo_group import GlooGroup
+from rl.sync.peer_group import PeerGroup
 from rl.sync.pieces import max_piece_numel, pack_piece, piece_numel, unpack_pieces
 from rl.sync.plan import WeightSyncPlan
 from rl.sync.transport import TRANSPORTS, SyncSite
@@ -24,20 +31,22 @@ class DistributedChannel:
     ) -> None:
         self._plan, self._member = plan, member
         self._num_replicas = num_replicas
-        self._group = GlooGroup(addr, port, member, plan.world_size + num_replicas * plan.tp_size)
-        dtype = getattr(torch, plan.wire_dtype)
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        world_size = plan.world_size + num_replicas * plan.tp_size
+        self._group = PeerGroup(addr, port, member, world_size, device)
+        kind = {"dtype": getattr(torch, plan.wire_dtype), "device": device}
         if member < plan.world_size:  # a trainer rank: one packing buffer per TP rank
             self._packed = [
-                torch.empty(max_piece_numel(plan, member, t), dtype=dtype)
-                for t in range(plan.tp_size)
+                torch.empty(max_piece_numel(plan, member, t), **kind) for t in range(plan.tp_size)
             ]
         else:
             self._tp_rank = (member - plan.world_size) % plan.tp_size
             self._received = [
-                torch.empty(max_piece_numel(plan, w, self._tp_rank), dtype=dtype)
+                torch.empty(max_piece_numel(plan, w, self._tp_rank), **kind)
                 for w in range(plan.world_size)
             ]
-            self._bucket = torch.empty(plan.slot_numel, dtype=dtype)
+            self._bucket = torch.empty(plan.slot_numel, **kind)
 
     def write(
         self, bucket: int, local_rows: dict[str, torch.Tensor], replicas: list[int] | None

@@ -93,11 +93,11 @@ def choose_transport(
     """The transport for `rollout.weight_transport=setting` when the trainer and rollout
     workers span `num_nodes` nodes, run on GPUs (`on_gpu`) or CPUs, share their devices
     (`colocated`), and /dev/shm has `shm_free` of the `shm_needed` bytes the shared-memory
-    transport would take. On colocated GPUs of one node, the gathered transport (the weights
-    never leave the GPUs); else shared memory on one node where it fits, a gloo group
-    otherwise (which works over loopback on one node too). A too-small /dev/shm (a
-    container's default) would otherwise kill the first sync with SIGBUS, once its pages run
-    out."""
+    transport would take. On GPUs the weights never leave the devices: the gathered
+    transport where trainer and engines share them on one node, else the distributed one
+    (NCCL). On CPUs shared memory on one node where it fits, else the distributed one (gloo,
+    which works over loopback on one node too). A too-small /dev/shm (a container's default)
+    would otherwise kill the first sync with SIGBUS, once its pages run out."""
     space = (
         f"/dev/shm has {shm_free / 2**20:.1f} MiB free of the {shm_needed / 2**20:.1f} MiB "
         "the shared-memory transport needs (two slots of the largest bucket, and a margin)"
@@ -105,8 +105,8 @@ def choose_transport(
     if setting == "auto":
         if num_nodes > 1:
             return "distributed"
-        if on_gpu and colocated:
-            return "gathered"
+        if on_gpu:
+            return "gathered" if colocated else "distributed"
         if shm_free < shm_needed:
             print(
                 f"weight sync: {space}: using the distributed (gloo) transport",

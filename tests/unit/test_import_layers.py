@@ -26,7 +26,7 @@ _AGENTS_MAY_IMPORT = ("rl.agents", "rl.config", "rl.types", "rl.sandbox", "rl.us
 _TRANSPORTS = (
     "rl.sync.shared_memory",
     "rl.sync.distributed",
-    "rl.sync.gloo_group",
+    "rl.sync.peer_group",
     "rl.sync.pieces",
 )
 

@@ -10,7 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rl.cluster.memory_plan import GIB, ModelShape, PlanDoesNotFit, check_fits, trainer_rank
+from rl.cluster.memory_plan import (
+    GIB,
+    ModelShape,
+    PlanDoesNotFit,
+    check_fits,
+    largest_bucket_bytes,
+    trainer_rank,
+)
 from rl.config import Config
 
 # Qwen2.5-0.5B and -7B as their config.json describe them.
@@ -163,6 +170,34 @@ def test_too_many_activations_are_refused_with_activation_checkpointing_as_the_f
     )
     with pytest.raises(PlanDoesNotFit, match=r"of 32\.00 GiB; shard .*trainer\.num_workers"):
         check_fits(cfg, shape, 32 * GIB, on_gpu=True)
+
+
+def test_gpus_hold_the_weight_transports_buffers_of_the_largest_load_unit(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    # Qwen2.5-7B's untied LM head, 152064 x 3584 in bf16, travels alone in a bucket.
+    bucket = 2 * 152064 * 3584
+    assert largest_bucket_bytes(_gpu_config(), shape) == bucket
+    # Colocated: the gathered transport's two slots, the all-gather's output and this rank's
+    # eighth of it, on every trainer GPU.
+    cfg = _gpu_config(trainer={"activation_checkpointing": True})
+    report = check_fits(cfg, shape, 80 * GIB, on_gpu=True)
+    trainer = next(line for line in report.splitlines() if "trainer rank:" in line)
+    assert f"weight-sync buffers {(3 + 1 / 8) * bucket / GIB:.2f}" in trainer
+    # GPUs of their own (NCCL): a bucket of pieces on a trainer rank; the received pieces
+    # and the bucket they are laid out in on an engine rank, beside vLLM's reserve.
+    split = {"placement": "split", "rollout_devices": 8, "trainer_devices": 8}
+    cfg = _gpu_config(trainer={"activation_checkpointing": True}, scheduler=split)
+    lines = check_fits(cfg, shape, 80 * GIB, on_gpu=True).splitlines()
+    trainer = next(line for line in lines if "trainer rank:" in line)
+    assert f"weight-sync buffers {bucket / GIB:.2f}" in trainer
+    rollout = next(line for line in lines if "rollout TP rank:" in line)
+    assert f"weight-sync buffers {2 * bucket / GIB:.2f}" in rollout
+    # vLLM's reserve plus them beyond a rollout device: refused, naming what to lower.
+    cfg = _gpu_config(rollout={"gpu_memory_utilization": 0.99}, scheduler=split)
+    with pytest.raises(PlanDoesNotFit, match="lower rollout.gpu_memory_utilization"):
+        check_fits(cfg, shape, 80 * GIB, on_gpu=True)
 
 
 def test_rollout_weights_beyond_the_vllm_reserve_are_refused(tmp_path: Path) -> None:

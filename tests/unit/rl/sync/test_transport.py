@@ -20,7 +20,8 @@ CPU = {"on_gpu": False, "colocated": True}
         ("auto", 2, False, True, "distributed"),
         # Colocated GPUs on one node: each bucket gathered into every GPU, read there.
         ("auto", 1, True, True, "gathered"),
-        ("auto", 1, True, False, "shared_memory"),
+        # GPUs of their own: each trainer rank sends each engine rank its rows over NCCL.
+        ("auto", 1, True, False, "distributed"),
         ("auto", 2, True, True, "distributed"),
         ("distributed", 1, True, True, "distributed"),
         ("shared_memory", 1, False, True, "shared_memory"),
