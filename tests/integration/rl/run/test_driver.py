@@ -124,7 +124,8 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     # and the reward workers theirs (the user's prints) to one of their own.
     logs = {path.name: path.read_text() for path in (run_dir / "logs").iterdir()}
     assert sorted(logs) == ["reward-workers.log", "rollout-0.log", "trainer-0.log", "trainer-1.log"]
-    assert all(text.strip() for text in logs.values()), logs
+    # Trainer rank 1 may have nothing to say: it loads its shards silently, and rank 0 exports.
+    assert all(text.strip() for name, text in logs.items() if name != "trainer-1.log"), logs
     assert "flaky scores" in logs["reward-workers.log"]
     assert "flaky scores" not in capfd.readouterr().out
 

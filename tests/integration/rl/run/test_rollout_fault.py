@@ -125,7 +125,9 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
         tmp_path,
         "agent-fault",
         agent={**agent, "max_turns": 3, "tool_workers": 1, "env_workers": 1},
-        rollout={"max_new_tokens": 64, "max_model_len": 768},
+        # Room for three turns however long the model writes them: an episode out of room
+        # ends early ("length"), which would hide one cut short by the loss.
+        rollout={"max_new_tokens": 160, "max_model_len": 768},
         checkpoint={"every": 2},
     )
     _, killed, orphans = _kill_at_the_second_submission(monkeypatch)
@@ -137,6 +139,7 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
     assert [r["rollout/workers_replaced"] for r in records[1:]] == [0, 1, 0]
     assert all(r["rollout/generated_groups"] == 8 for r in records[1:])
     # Whole episodes: three turns each, none cut short or resumed by a worker that lost it.
+    assert all(r["response/truncated"] == 0 for r in records[1:])
     assert all(r["agent/turns_mean"] == r["agent/turns_max"] == 3 for r in records[1:])
     assert all(r["agent/env_failures"] == 0 for r in records[1:])
     assert all(r["rollout/staleness_max"] == 0 for r in records[1:])
