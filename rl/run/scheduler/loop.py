@@ -41,15 +41,15 @@ and the step metrics are in rl.run.scheduler.prompt_groups.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 
 import torch
 
 from rl.algorithms.dapo import dynamic_sampling_keep
 from rl.observe.trace import Trace
 from rl.run.scheduler.admission import Admission
+from rl.run.scheduler.clock import WALL_CLOCK, Clock
 from rl.run.scheduler.device_turns import DeviceTurns
 from rl.run.scheduler.ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
 from rl.run.scheduler.prompt_groups import Group, InFlight, step_metrics
@@ -69,6 +69,7 @@ class Scheduler:
         on_version: Callable[[int], dict[str, float]] = lambda version: {},
         start_version: int = 0,
         in_flight: InFlight | None = None,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
         """`next_group(group_id)` gives the example of the next group and its fresh samples
         (settings.group_size of them, rl.run.groups);
@@ -77,8 +78,12 @@ class Scheduler:
 
         A resumed run starts at `start_version` (trainer and rollout both serve it) from its
         checkpoint's `in_flight` (`state_dict` at that sync): the groups it had not trained
-        continue from their tokens, and new groups from its next id."""
+        continue from their tokens, and new groups from its next id.
+
+        `clock` measures the step times and waits on the ports' futures (rl.run.scheduler.clock:
+        the wall clock, or a simulation's); `trace` should record on the same clock."""
         self.settings = settings
+        self.clock = clock
         self.sampling = sampling
         self.rollout, self.trainer, self.scorer = rollout, trainer, scorer
         self.next_group = next_group
@@ -111,7 +116,7 @@ class Scheduler:
         self._held: list[Group] = []
         self._num_lost, self._lost_in_step = 0, 0  # in the run; generating, this step
         self._step_metrics: dict[int, dict[str, float]] = {}
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = clock.now()
         if in_flight is not None:
             self._num_groups = in_flight.next_group_id
             self.admission.load_state_dict(in_flight.admission)
@@ -137,7 +142,7 @@ class Scheduler:
             if self.rollout_version == self.settings.num_steps:
                 break
             assert self._pending, "scheduler stalled: nothing in flight and nothing to start"
-            done, _ = wait(list(self._pending), return_when=FIRST_COMPLETED)
+            done = self.clock.wait_first(list(self._pending))
             for future in done:
                 self._complete(future)
 
@@ -373,7 +378,7 @@ class Scheduler:
         lanes = ["trainer", *(f"rollout-{i}" for i in range(self.rollout.num_workers))]
         for lane in lanes:
             self.trace.begin(lane, "sync", version)
-        sync_start = time.perf_counter()
+        sync_start = self.clock.now()
         assert not self._lost, "a sync before the lost workers' replacement (_replace_lost)"
         self.turns.for_push()
         metrics = self.trainer.push(version)
@@ -383,14 +388,14 @@ class Scheduler:
         lost_in_sync = int(metrics.get("weight_sync/workers_replaced", 0))
         self._count_lost(lost_in_sync, f"rollout workers died receiving version {version}")
         metrics["rollout/workers_replaced"], self._lost_in_step = float(self._lost_in_step), 0
-        metrics["time/sync_s"] = time.perf_counter() - sync_start
+        metrics["time/sync_s"] = self.clock.now() - sync_start
         metrics["rollout/version"] = float(version)
         for lane in lanes:
             self.trace.end(lane, "sync")
         self.rollout_version, self._at_sync, self._interrupted = version, True, False
         metrics.update(self.on_version(version))
         self._resume_waiting()
-        now = time.perf_counter()
+        now = self.clock.now()
         metrics.update(self._step_metrics.pop(version))
         metrics.update(self.trace.summary(self._last_step_end, now))
         if metrics.get("perf/busy_s_generate"):  # this step's tokens over its generating time
