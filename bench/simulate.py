@@ -13,9 +13,9 @@ The clock (`SimClock`) jumps from one event to the next and never sleeps. The co
 - a weight sync costs bytes / bandwidth plus a fixed latency;
 - response lengths come from a long-tailed distribution, fixed per sample by its ids.
 
-This first cut runs partial_rollout "finish" and no lost workers; the sweeps, the cost
-model's published figures and the calibration against verl's fully-async runs are issue 35's
-next steps.
+This first cut runs partial_rollout "finish" and "abort" (not the timing-dependent
+"interrupt") and no lost workers; the sweeps, the cost model's published figures and the
+calibration against verl's fully-async runs are issue 35's next steps.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def long_tailed_length(sample: Sample, median: int, sigma: float, cap: int) -> i
 class _Running:
     key: int
     sample: Sample
-    remaining: float  # tokens still to generate
+    end: int  # the length it stops at: its own end, or an abort point before it
+    remaining: float  # tokens still to generate until `end`
 
 
 @dataclass
@@ -125,12 +126,19 @@ class SimEngine:
     _since: float = 0.0  # when `running` last advanced
     _epoch: int = 0  # invalidates the finish event scheduled for an older batch
 
-    def submit(self, key: int, samples: list[Sample]) -> None:
+    def submit(self, key: int, samples: list[Sample], stop_every: int = 0) -> None:
+        """Start `samples` (fresh, or partial ones resuming after their prefix). With
+        `stop_every`, each stops partial once its length reaches the next multiple of it
+        (partial_rollout "abort"), unless it ends first."""
         self._advance()
-        prefill = sum(len(s.prompt_ids) for s in samples) * self.cost.prefill_s_per_token
-        self._since += prefill  # the batch stalls while the new prompts prefill
+        prefill = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        self._since += prefill * self.cost.prefill_s_per_token  # the batch stalls meanwhile
         self.batches[key], self.unfinished[key] = samples, len(samples)
-        self.running += [_Running(key, s, self.length(s)) for s in samples]
+        for sample in samples:
+            done, end = len(sample.response_ids), self.length(sample)
+            if stop_every:
+                end = min(end, (done // stop_every + 1) * stop_every)
+            self.running.append(_Running(key, sample, end, end - done))
         self._schedule()
 
     def poll(self) -> Future:
@@ -163,11 +171,12 @@ class SimEngine:
         done_now = [run for run in self.running if run.remaining <= 1e-9]
         self.running = [run for run in self.running if run.remaining > 1e-9]
         for run in done_now:
-            n = self.length(run.sample)
-            run.sample.response_ids = [0] * n
-            run.sample.logprobs = [0.0] * n
-            run.sample.token_versions = [self.version] * n
-            run.sample.finish_reason = "stop"
+            new = run.end - len(run.sample.response_ids)
+            run.sample.response_ids = run.sample.response_ids + [0] * new
+            run.sample.logprobs = run.sample.logprobs + [0.0] * new
+            run.sample.token_versions = run.sample.token_versions + [self.version] * new
+            ended = run.end == self.length(run.sample)
+            run.sample.finish_reason = "stop" if ended else "abort"
             self.unfinished[run.key] -= 1
             if not self.unfinished[run.key]:
                 self.finished[run.key] = self.batches.pop(run.key)
@@ -190,11 +199,10 @@ class SimRollout:
         self.num_workers = len(engines)
 
     def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
-        assert not params.stop_every, "this cut simulates partial_rollout 'finish' only"
         placed = {}
         for key, samples in batches.items():
             engine = min(self.engines, key=lambda e: (len(e.running), e.index))
-            engine.submit(key, samples)
+            engine.submit(key, samples, params.stop_every)
             placed[key] = engine.index
         return placed
 
@@ -202,7 +210,7 @@ class SimRollout:
         return self.engines[worker].poll()
 
     def interrupt(self) -> int:
-        raise NotImplementedError("partial_rollout 'interrupt' is not simulated")
+        raise NotImplementedError("partial_rollout 'interrupt' (timing-dependent) is not simulated")
 
     def release_memory(self) -> None: ...
 
@@ -260,8 +268,11 @@ class Workload:
     num_engines: int = 4
 
 
-def simulate(workload: Workload, cost: CostModel, k: int) -> list[dict[str, float]]:
-    """Run the real scheduler over `workload` at max_staleness `k`; each step's metrics."""
+def simulate(
+    workload: Workload, cost: CostModel, k: int, abort_every: int = 0
+) -> list[dict[str, float]]:
+    """Run the real scheduler over `workload` at max_staleness `k`, with partial_rollout
+    "abort" at every `abort_every` tokens (0: "finish"); each step's metrics."""
     clock = SimClock()
     rollout = SimRollout(
         [
@@ -281,8 +292,8 @@ def simulate(workload: Workload, cost: CostModel, k: int) -> list[dict[str, floa
         groups_per_step=workload.groups_per_step,
         group_size=workload.group_size,
         max_staleness=k,
-        partial_rollout="finish",
-        abort_every=0,
+        partial_rollout="abort" if abort_every else "finish",
+        abort_every=abort_every,
         dynamic_sampling=False,
         max_groups_per_step=workload.groups_per_step,
         release_memory=False,
@@ -312,18 +323,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--k", default="0,1,2")
+    parser.add_argument("--abort-every", type=int, default=512)
     args = parser.parse_args()
     workload = Workload(num_steps=args.steps)
-    print("| k | steps/hour (simulated) | mean step s | staleness max |")
-    print("|---:|---:|---:|---:|")
+    print("| k | partial rollouts | steps/hour (simulated) | mean step s | staleness max |")
+    print("|---:|---|---:|---:|---:|")
     for k in map(int, args.k.split(",")):
-        steps = simulate(workload, CostModel(), k)
-        seconds = [m["time/step_s"] for m in steps]
-        print(
-            f"| {k} | {3600 * len(seconds) / sum(seconds):.1f} | "
-            f"{sum(seconds) / len(seconds):.1f} | "
-            f"{max(m.get('rollout/staleness_max', 0) for m in steps):.0f} |"
-        )
+        for abort_every in (0, args.abort_every) if k else (0,):
+            steps = simulate(workload, CostModel(), k, abort_every)
+            seconds = [m["time/step_s"] for m in steps]
+            mode = f"abort every {abort_every}" if abort_every else "finish"
+            print(
+                f"| {k} | {mode} | {3600 * len(seconds) / sum(seconds):.1f} | "
+                f"{sum(seconds) / len(seconds):.1f} | "
+                f"{max(m['rollout/staleness_max'] for m in steps):.0f} |"
+            )
 
 
 if __name__ == "__main__":

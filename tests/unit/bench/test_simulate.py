@@ -38,3 +38,12 @@ def test_overlap_raises_steps_per_hour_within_the_staleness_bound() -> None:
         assert max(m["rollout/staleness_max"] for m in steps) <= k
         hours[k] = sum(m["time/step_s"] for m in steps)
     assert hours[1] < 0.9 * hours[0]
+
+
+def test_aborted_samples_resume_after_their_prefix_under_the_next_version() -> None:
+    workload = simulate.Workload(num_steps=5, groups_per_step=8, group_size=4, num_engines=2)
+    steps = simulate.simulate(workload, simulate.CostModel(), k=2, abort_every=256)
+    assert len(steps) == workload.num_steps
+    # Later steps' samples stopped at abort points and went on after a sync.
+    assert sum(m["rollout/resumed_samples"] for m in steps) > 0
+    assert max(m["rollout/staleness_max"] for m in steps) <= 2
