@@ -250,10 +250,18 @@ class SimTrainer:
 
 
 class SimScorer:
-    """Rewards cost nothing here: every sample scores 1."""
+    """Rewards cost nothing here. A sample is right with probability `accuracy`, fixed by its
+    ids: groups all right or all wrong are what dynamic sampling drops."""
+
+    def __init__(self, accuracy: float) -> None:
+        self.accuracy = accuracy
 
     def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
-        return done(([[1.0] * len(samples) for samples, _ in groups], {}))
+        def right(sample: Sample) -> float:
+            draw = random.Random(sample.group_id * 7919 + sample.index).random()
+            return float(draw < self.accuracy)
+
+        return done(([[right(s) for s in samples] for samples, _ in groups], {}))
 
 
 @dataclass(frozen=True)
@@ -266,13 +274,19 @@ class Workload:
     sigma: float = 1.0  # log-normal spread: a few responses many times the median
     max_tokens: int = 16384
     num_engines: int = 4
+    accuracy: float = 0.5  # the chance a sample is right
 
 
 def simulate(
-    workload: Workload, cost: CostModel, k: int, abort_every: int = 0
+    workload: Workload,
+    cost: CostModel,
+    k: int,
+    abort_every: int = 0,
+    dynamic_sampling_rounds: int = 0,
 ) -> list[dict[str, float]]:
     """Run the real scheduler over `workload` at max_staleness `k`, with partial_rollout
-    "abort" at every `abort_every` tokens (0: "finish"); each step's metrics."""
+    "abort" at every `abort_every` tokens (0: "finish"), and with dynamic sampling drawing up
+    to `dynamic_sampling_rounds` times a step's groups (0: off); each step's metrics."""
     clock = SimClock()
     rollout = SimRollout(
         [
@@ -294,8 +308,8 @@ def simulate(
         max_staleness=k,
         partial_rollout="abort" if abort_every else "finish",
         abort_every=abort_every,
-        dynamic_sampling=False,
-        max_groups_per_step=workload.groups_per_step,
+        dynamic_sampling=dynamic_sampling_rounds > 0,
+        max_groups_per_step=max(1, dynamic_sampling_rounds) * workload.groups_per_step,
         release_memory=False,
         max_rollout_restarts=0,
     )
@@ -311,7 +325,7 @@ def simulate(
         SamplingParams(n=workload.group_size, max_new_tokens=workload.max_tokens),
         rollout,
         SimTrainer(clock, cost, rollout, k),
-        SimScorer(),
+        SimScorer(workload.accuracy),
         next_group,
         trace,
         clock=clock,

@@ -47,3 +47,14 @@ def test_aborted_samples_resume_after_their_prefix_under_the_next_version() -> N
     # Later steps' samples stopped at abort points and went on after a sync.
     assert sum(m["rollout/resumed_samples"] for m in steps) > 0
     assert max(m["rollout/staleness_max"] for m in steps) <= 2
+
+
+def test_dynamic_sampling_draws_more_groups_where_a_step_keeps_too_few() -> None:
+    # At 85% accuracy a group of 4 is all right about half the time: dropped.
+    workload = simulate.Workload(
+        num_steps=4, groups_per_step=8, group_size=4, num_engines=2, accuracy=0.85
+    )
+    steps = simulate.simulate(workload, simulate.CostModel(), k=1, dynamic_sampling_rounds=3)
+    assert len(steps) == workload.num_steps
+    assert all(m["rollout/generated_groups"] > m["rollout/kept_groups"] for m in steps)
+    assert all(m["rollout/generated_groups"] <= 3 * 8 for m in steps)
