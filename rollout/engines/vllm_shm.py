@@ -1,7 +1,8 @@
 """vLLM's shared memory, removed after engines that died.
 
 With tensor parallelism, vLLM's executor and its worker processes make POSIX shared memory
-(message queues and a tensor arena, /dev/shm/psm_*, and semaphores, /dev/shm/sem.mp-*) and
+(message queues and a tensor arena, /dev/shm/psm_*, semaphores, /dev/shm/sem.mp-*, and on
+CPU the TP group's all-reduce arena, /dev/shm/vllm_dist_*-cpushm_*) and
 unlink it when they shut down or their objects are collected: never, when Ray kills the
 engine's actor. So each engine records the segments its processes map, under its owner tag
 (`rl.shm_owners.owner_tag`: host, pid and start time), and an engine starting on the
@@ -19,7 +20,11 @@ import psutil
 
 from rl.shm_owners import SHM_DIR, host_tag, owner_tag
 
-_SEGMENT = re.compile(r"psm_[0-9a-f]+|sem\.mp-[\w-]+")
+# Message queues and tensor arenas, semaphores, and on CPU the TP group's all-reduce arena
+# (vllm/distributed/device_communicators/cpu_communicator.py: IDENT-GROUP-[RANKS]-cpushm_N).
+_SEGMENT = re.compile(
+    r"psm_[0-9a-f]+|sem\.mp-[\w-]+|vllm_dist_[0-9a-f]+-[\w:]+-\[[0-9-]+\]-cpushm_[0-9]+"
+)
 _RECORD = re.compile(r"tandem-vllm-(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)\.json")
 
 

@@ -38,12 +38,13 @@ def test_segments_this_process_maps_are_recorded_and_forgotten_on_shutdown() -> 
 
 
 def test_a_dead_engines_segments_are_removed_and_nothing_else(tmp_path: Path) -> None:
-    for name in ("psm_0a1b2c3d", "sem.mp-x1y2z3", "psm_live0001", "model.safetensors"):
+    cpushm = "vllm_dist_3de09d55064841d38e3d7228531afbd4-tp:0-[0-1]-cpushm_0"  # a TP group's all-reduce arena on CPU
+    for name in ("psm_0a1b2c3d", "sem.mp-x1y2z3", cpushm, "psm_live0001", "model.safetensors"):
         (tmp_path / name).write_bytes(b"x")
     dead, live = _dead_owner(), owner_tag(os.getpid())
     other_host = "elsewhere-1-1"  # an engine of another host sharing the directory
     records = {
-        dead: ["psm_0a1b2c3d", "sem.mp-x1y2z3", "model.safetensors", "../escape"],
+        dead: ["psm_0a1b2c3d", "sem.mp-x1y2z3", cpushm, "model.safetensors", "../escape"],
         live: ["psm_live0001"],
         other_host: ["psm_live0001"],
     }
@@ -52,7 +53,7 @@ def test_a_dead_engines_segments_are_removed_and_nothing_else(tmp_path: Path) ->
 
     removed = vllm_shm.remove_dead_engines_segments(tmp_path)
 
-    assert sorted(removed) == ["psm_0a1b2c3d", "sem.mp-x1y2z3"]
+    assert sorted(removed) == sorted(["psm_0a1b2c3d", "sem.mp-x1y2z3", cpushm])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["model.safetensors", "psm_live0001", f"tandem-vllm-{live}.json"]
         + [f"tandem-vllm-{other_host}.json"]
