@@ -21,7 +21,7 @@ from trainer.fsdp import decoder_layers, reshard, shard_with_fsdp, storage_devic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput
-from trainer.rank_local_load import load_local_rows, meta_causal_lm, restore_computed_buffers
+from trainer.rank_local_load import materialize, meta_causal_lm
 from trainer.ranks import (
     RoleRank,
     adamw_with_warmup,
@@ -84,11 +84,9 @@ def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
     shard_with_fsdp(model, layers, mesh, dtype, cfg, cfg.activation_checkpointing)
-    model.to_empty(device=storage_device(cfg, mesh))
     # The checkpoint names the decoder's tensors under the causal LM's name for it ("model.").
     prefix = next(name for name, child in causal_lm.named_children() if child is decoder)
-    load_local_rows(model.backbone, path, prefix=f"{prefix}.")
-    restore_computed_buffers(model.backbone)
+    materialize(model, model.backbone, path, storage_device(cfg, mesh), prefix=f"{prefix}.")
     model.zero_head()
     return model
 

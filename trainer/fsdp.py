@@ -24,10 +24,9 @@ from trainer.packing import IGNORE, ModelInput
 from trainer.rank_local_load import (
     LORA_ADAPTERS,
     init_lora_adapters,
-    load_local_rows,
+    materialize,
     meta_causal_lm,
     meta_lora,
-    restore_computed_buffers,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -270,9 +269,7 @@ def load_sharded(
     # A frozen model runs under no_grad: it saves no activations to recompute.
     checkpointed = trainable and trainer_cfg.activation_checkpointing
     shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, trainer_cfg, checkpointed)
-    wrapper.to_empty(device=storage_device(trainer_cfg, mesh))
-    load_local_rows(model, cfg.path, skip=LORA_ADAPTERS)
-    restore_computed_buffers(model)
+    materialize(wrapper, model, cfg.path, storage_device(trainer_cfg, mesh), skip=LORA_ADAPTERS)
     if lora:
         init_lora_adapters(model, seed)
     return wrapper

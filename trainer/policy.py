@@ -31,6 +31,7 @@ from trainer.fsdp import (
 from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
 from trainer.offload import DeviceResidency
+from trainer.rank_local_load import LORA_ADAPTERS
 from trainer.ranks import (
     RoleRank,
     StepResult,
@@ -267,7 +268,7 @@ class PolicyTrainer(RoleRank):
         return sum(
             p.numel()
             for name, p in self.policy.model.named_parameters()
-            if ".lora_A." not in name and ".lora_B." not in name
+            if not any(adapter in name for adapter in LORA_ADAPTERS)
         )
 
     def open_weight_sender(self, plan: WeightSyncPlan, channel_spec: ChannelSpec) -> object | None:

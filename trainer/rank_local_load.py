@@ -138,6 +138,23 @@ def restore_computed_buffers(model: nn.Module) -> None:
             getattr(module, buffer).copy_(getattr(fresh, buffer))
 
 
+def materialize(
+    root: nn.Module,
+    model: nn.Module,
+    path: str,
+    device: str,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Give `root` (sharded, on meta) storage for this rank's shards on `device`, then fill
+    `model`, the part of it the checkpoint at `path` holds, from the files
+    (`load_local_rows` with `prefix` and `skip`) and from its config
+    (`restore_computed_buffers`). What else `root` holds is left for the caller to set."""
+    root.to_empty(device=device)
+    load_local_rows(model, path, prefix=prefix, skip=skip)
+    restore_computed_buffers(model)
+
+
 @torch.no_grad()
 def init_lora_adapters(model: nn.Module, seed: int) -> None:
     """peft's first adapters, bit for bit as `get_peft_model` draws them on CPU after

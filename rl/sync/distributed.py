@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from rl.sync.peer_group import PeerGroup
-from rl.sync.pieces import max_piece_numel, pack_piece, piece_numel, unpack_pieces
+from rl.sync.pieces import (
+    buffer_device,
+    max_piece_numel,
+    pack_piece,
+    piece_numel,
+    unpack_pieces,
+)
 from rl.sync.plan import WeightSyncPlan
 from rl.sync.transport import TRANSPORTS, SyncSite
 
@@ -31,8 +37,7 @@ class DistributedChannel:
     ) -> None:
         self._plan, self._member = plan, member
         self._num_replicas = num_replicas
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        device = buffer_device()
         world_size = plan.world_size + num_replicas * plan.tp_size
         self._group = PeerGroup(addr, port, member, world_size, device)
         kind = {"dtype": getattr(torch, plan.wire_dtype), "device": device}

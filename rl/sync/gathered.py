@@ -26,56 +26,64 @@ import torch.distributed as dist
 
 # The module, not its names: importing shared_memory imports the transports, this one included.
 from rl.sync import shared_memory
-from rl.sync.pieces import bucket_tensors
-from rl.sync.plan import WeightSyncPlan, owned_rows
+from rl.sync.pieces import bucket_tensors, buffer_device
+from rl.sync.plan import TensorSpec, WeightSyncPlan, owned_rows
 from rl.sync.transport import TRANSPORTS, SyncSite
 
 NUM_SLOTS = 2  # bucket i + 1 is gathered into one while bucket i is read from the other
 
 
-def _owned_numel(plan: WeightSyncPlan, bucket: int, rank: int) -> int:
-    """Elements of `bucket` whose rows trainer `rank` holds."""
-    numel = 0
+def _row_counts(plan: WeightSyncPlan, bucket: int, rank: int) -> list[tuple[TensorSpec, int]]:
+    """Each tensor of `bucket` with the number of its rows trainer `rank` holds."""
+    counts = []
     for spec in plan.buckets[bucket]:
         start, stop = owned_rows(spec.num_rows, rank, plan.world_size)
-        numel += (stop - start) * spec.num_cols
-    return numel
+        counts.append((spec, stop - start))
+    return counts
 
 
 def piece_numel(plan: WeightSyncPlan) -> int:
     """The all-gather's piece per rank: the most any rank holds of any bucket."""
     return max(
-        _owned_numel(plan, bucket, rank)
+        sum(rows * spec.num_cols for spec, rows in _row_counts(plan, bucket, rank))
         for bucket in range(len(plan.buckets))
         for rank in range(plan.world_size)
     )
 
 
-def place_pieces(
-    plan: WeightSyncPlan, bucket: int, pieces: torch.Tensor, slot: torch.Tensor
-) -> None:
-    """Lay `pieces` (row w: trainer rank w's rows of each tensor of `bucket`, in order, then
-    padding) out in `slot` as whole tensors, one after another (`plan.offsets`)."""
-    for rank in range(plan.world_size):
-        position = 0
-        for spec, offset in zip(plan.buckets[bucket], plan.offsets(bucket), strict=True):
-            start, stop = owned_rows(spec.num_rows, rank, plan.world_size)
-            numel = (stop - start) * spec.num_cols
-            first = offset + start * spec.num_cols
-            slot[first : first + numel].copy_(pieces[rank, position : position + numel])
-            position += numel
+def piece_rows(
+    plan: WeightSyncPlan, bucket: int, rank: int, piece: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Trainer `rank`'s piece of `bucket` as its rows of each tensor, in order (views of
+    `piece`, whose tail is padding)."""
+    views, position = {}, 0
+    for spec, rows in _row_counts(plan, bucket, rank):
+        numel = rows * spec.num_cols
+        views[spec.name] = piece[position : position + numel].view(rows, *spec.shape[1:])
+        position += numel
+    return views
 
 
 def pack_rows(
-    plan: WeightSyncPlan, bucket: int, local_rows: dict[str, torch.Tensor], out: torch.Tensor
+    plan: WeightSyncPlan,
+    bucket: int,
+    local_rows: dict[str, torch.Tensor],
+    rank: int,
+    out: torch.Tensor,
 ) -> None:
-    """This rank's rows of each tensor of `bucket`, in order, into the front of `out` (cast to
-    its dtype); the rest of `out` is padding."""
-    position = 0
-    for spec in plan.buckets[bucket]:
-        rows = local_rows[spec.name].reshape(-1)
-        out[position : position + rows.numel()].copy_(rows)
-        position += rows.numel()
+    """This rank's rows of each tensor of `bucket` into `out` (cast to its dtype)."""
+    for name, view in piece_rows(plan, bucket, rank, out).items():
+        view.copy_(local_rows[name].reshape(view.shape))
+
+
+def place_pieces(
+    plan: WeightSyncPlan, bucket: int, pieces: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """Lay `pieces` (row w: trainer rank w's piece) out in `slot` as whole tensors, one after
+    another, as every rank of the shared-memory transport writes its own rows."""
+    for rank in range(plan.world_size):
+        rows = piece_rows(plan, bucket, rank, pieces[rank])
+        shared_memory.write_rows(slot, plan, bucket, rank, rows)
 
 
 def _device_key(device: torch.device) -> str:
@@ -102,9 +110,7 @@ class GatheredWriter:
     def __init__(self, plan: WeightSyncPlan, rank: int) -> None:
         self._plan, self._rank = plan, rank
         dtype = getattr(torch, plan.wire_dtype)
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self._device = device
+        self._device = device = buffer_device()
         width = piece_numel(plan)
         self._piece = torch.zeros(width, dtype=dtype, device=device)
         self._pieces = torch.zeros(
@@ -134,7 +140,7 @@ class GatheredWriter:
     ) -> None:
         """Collective over the trainer group (its default process group): every rank must
         write the same bucket. The engines read every slot, so `replicas` is not needed."""
-        pack_rows(self._plan, bucket, local_rows, self._piece)
+        pack_rows(self._plan, bucket, local_rows, self._rank, self._piece)
         if self._plan.world_size == 1:  # this rank holds every row: nothing to gather
             pieces = self._piece.view(1, -1)
         else:
@@ -154,11 +160,11 @@ class GatheredReader:
 
     def __init__(self, plan: WeightSyncPlan, exports: tuple[SlotExport, ...], member: int) -> None:
         self._plan = plan
-        if torch.cuda.is_available():
+        device = buffer_device()
+        if device.type == "cuda":
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-            device = torch.cuda.current_device()
-            key = _device_key(torch.device("cuda", device))
+            key = _device_key(device)
             export = next((e for e in exports if e.device_key == key), None)
             if export is None:
                 raise ValueError(
@@ -167,7 +173,7 @@ class GatheredReader:
                 )
             # As vLLM's ipc engine does: argument 6 is the device, in this process's numbering.
             self._slots = [
-                rebuild_cuda_tensor(*args[:6], device, *args[7:]) for args in export.handles
+                rebuild_cuda_tensor(*args[:6], device.index, *args[7:]) for args in export.handles
             ]
         else:
             export = exports[(member - plan.world_size) % plan.world_size]

@@ -10,6 +10,14 @@ import torch
 from rl.sync.plan import Region, TensorSpec, WeightSyncPlan, owned_rows
 
 
+def buffer_device() -> torch.device:
+    """Where this process's weight-sync buffers live: its current GPU, so that the weights
+    never leave the devices, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _overlap(plan: WeightSyncPlan, spec: TensorSpec, rank: int, tp_rank: int) -> Region:
     """The part of `tp_rank`'s region of `spec` whose rows trainer `rank` owns."""
     region = plan.region(spec, tp_rank)

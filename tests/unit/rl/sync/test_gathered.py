@@ -34,7 +34,7 @@ def test_gathered_pieces_lay_out_every_tensor_whole_in_the_wire_dtype(
                 s.name: full[s.name][slice(*owned_rows(s.num_rows, rank, world_size))]
                 for s in plan.buckets[bucket]
             }
-            pack_rows(plan, bucket, rows, pieces[rank])
+            pack_rows(plan, bucket, rows, rank, pieces[rank])
         place_pieces(plan, bucket, pieces, slot)
         for name, tensor in bucket_tensors(slot, plan, bucket):
             # Rounded as an engine of that dtype rounds fp32 weights when it loads them.
