@@ -1,357 +1,530 @@
-"""The real scheduler (rl.run.scheduler.loop) on a simulated clock: simulated rollout engines,
-trainer and scorer behind its ports, so that its admission, overlap and sync decisions play
-out at a cluster's scale in seconds (issue 35).
+"""Tandem's scheduler at cluster scale, by simulation (issue 35; docs/scale.md).
 
-    .venv/bin/python bench/simulate.py [--steps 8] [--k 0,1,2]
+The real scheduler (rl.run.scheduler.loop) runs against simulated vLLM engines and trainer
+groups on a simulated clock (bench/sim): the sweeps below over GPUs, placement, staleness,
+partial rollouts and dynamic sampling, and a calibration against verl's published
+fully-async runs.
 
-The clock (`SimClock`) jumps from one event to the next and never sleeps. The costs:
-- an engine batches continuously: every running sample gains a token per decode step, and a
-  step takes `decode_s(batch)` = a fixed cost plus a cost per running sample; a sample's
-  prompt costs `prefill_s_per_token` per token when it joins;
-- a train step costs 6 x parameters x tokens / (GPUs x peak x MFU), an annotation a third
-  of that (forward only);
-- a weight sync costs bytes / bandwidth plus a fixed latency;
-- response lengths come from a long-tailed distribution, fixed per sample by its ids.
+    .venv/bin/python bench/simulate.py [--lengths FILE] [--only NAME] [--write-docs]
 
-This first cut runs partial_rollout "finish" and "abort" (not the timing-dependent
-"interrupt") and no lost workers; the sweeps, the cost model's published figures and the
-calibration against verl's fully-async runs are issue 35's next steps.
+--lengths replays a trace of response lengths (one token count a line) instead of the
+long-tailed distribution. --write-docs replaces the generated sections of docs/scale.md and
+its plots. The simulated clock never sleeps: the whole set runs in about a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import itertools
-import math
-import random
+import dataclasses
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
-from rl.observe.trace import Trace
-from rl.run.scheduler.loop import Scheduler
-from rl.run.scheduler.ports import Settings
-from rl.types import Sample, SamplingParams, fresh_samples
+from docs_section import write_section
+from sim.cluster import Placement, Result, Schedule, Workload, simulate
+from sim.costs import H20, H100, H200, QWEN25_7B, QWEN25_32B, CostModel
+from sim.lengths import LogNormal, Replay, read_lengths
 
-
-class SimClock:
-    """Simulated seconds. `at(when, action)` runs `action` once the clock reaches `when`;
-    `wait_first` runs the actions in time order until one of the awaited futures is done."""
-
-    def __init__(self) -> None:
-        self.time = 0.0
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()  # ties run in the order they were scheduled
-
-    def now(self) -> float:
-        return self.time
-
-    def at(self, when: float, action: Callable[[], None]) -> None:
-        assert when >= self.time, (when, self.time)
-        heapq.heappush(self._events, (when, next(self._order), action))
-
-    def wait_first(self, futures: list[Future]) -> set[Future]:
-        while not any(future.done() for future in futures):
-            assert self._events, "waiting on futures nothing will complete"
-            self.time, _, action = heapq.heappop(self._events)
-            action()
-        return {future for future in futures if future.done()}
-
-    def advance(self, seconds: float) -> None:
-        """A blocking call of `seconds` (a weight sync): nothing else may be due meanwhile."""
-        assert not self._events or self._events[0][0] >= self.time + seconds, "events overlap"
-        self.time += seconds
-
-
-def done(result: object) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
-
-
-@dataclass
-class CostModel:
-    """Seconds of each kind of work (the module docstring)."""
-
-    decode_base_s: float = 0.02  # an engine's decode step, whatever its batch
-    decode_per_seq_s: float = 1e-4  # and per running sample
-    prefill_s_per_token: float = 1e-5
-    params: float = 7e9
-    trainer_gpus: int = 8
-    gpu_flops: float = 989e12  # H100 bf16 dense
-    mfu: float = 0.4
-    sync_bytes_per_s: float = 100e9
-    sync_latency_s: float = 0.5
-    wire_bytes: int = 2  # bf16
-
-    def decode_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch
-
-    def train_s(self, tokens: int) -> float:
-        return 6 * self.params * tokens / (self.trainer_gpus * self.gpu_flops * self.mfu)
-
-    def sync_s(self) -> float:
-        return self.wire_bytes * self.params / self.sync_bytes_per_s + self.sync_latency_s
-
-
-def long_tailed_length(sample: Sample, median: int, sigma: float, cap: int) -> int:
-    """A log-normal response length, fixed by the sample's ids (as a seeded engine's is)."""
-    rng = random.Random(sample.group_id * 1_000_003 + sample.index)
-    return max(1, min(cap, round(median * math.exp(sigma * rng.gauss(0, 1)))))
-
-
-@dataclass
-class _Running:
-    key: int
-    sample: Sample
-    end: int  # the length it stops at: its own end, or an abort point before it
-    remaining: float  # tokens still to generate until `end`
-
-
-@dataclass
-class SimEngine:
-    """One rollout engine batching continuously (CostModel.decode_s)."""
-
-    index: int
-    clock: SimClock
-    cost: CostModel
-    length: Callable[[Sample], int]
-    version: int = 0
-    running: list[_Running] = field(default_factory=list)
-    batches: dict[int, list[Sample]] = field(default_factory=dict)  # key -> samples
-    unfinished: dict[int, int] = field(default_factory=dict)  # key -> samples still running
-    finished: dict[int, list[Sample]] = field(default_factory=dict)
-    waiting: Future | None = None  # the outstanding poll
-    _since: float = 0.0  # when `running` last advanced
-    _epoch: int = 0  # invalidates the finish event scheduled for an older batch
-
-    def submit(self, key: int, samples: list[Sample], stop_every: int = 0) -> None:
-        """Start `samples` (fresh, or partial ones resuming after their prefix). With
-        `stop_every`, each stops partial once its length reaches the next multiple of it
-        (partial_rollout "abort"), unless it ends first."""
-        self._advance()
-        prefill = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        self._since += prefill * self.cost.prefill_s_per_token  # the batch stalls meanwhile
-        self.batches[key], self.unfinished[key] = samples, len(samples)
-        for sample in samples:
-            done, end = len(sample.response_ids), self.length(sample)
-            if stop_every:
-                end = min(end, (done // stop_every + 1) * stop_every)
-            self.running.append(_Running(key, sample, end, end - done))
-        self._schedule()
-
-    def poll(self) -> Future:
-        assert self.waiting is None
-        self.waiting = Future()
-        self._deliver()
-        return self.waiting
-
-    def _advance(self) -> None:
-        """Every running sample gains the tokens of the decode steps since `_since`."""
-        now = self.clock.now()
-        if self.running and now > self._since:
-            steps = (now - self._since) / self.cost.decode_s(len(self.running))
-            for run in self.running:
-                run.remaining -= steps
-        self._since = max(self._since, now)
-
-    def _schedule(self) -> None:
-        self._epoch += 1
-        if self.running:
-            first = min(run.remaining for run in self.running)
-            when = self._since + max(first, 0.0) * self.cost.decode_s(len(self.running))
-            epoch = self._epoch
-            self.clock.at(when, lambda: self._finish(epoch))
-
-    def _finish(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            return  # the batch changed since: a later event stands
-        self._advance()
-        done_now = [run for run in self.running if run.remaining <= 1e-9]
-        self.running = [run for run in self.running if run.remaining > 1e-9]
-        for run in done_now:
-            new = run.end - len(run.sample.response_ids)
-            run.sample.response_ids = run.sample.response_ids + [0] * new
-            run.sample.logprobs = run.sample.logprobs + [0.0] * new
-            run.sample.token_versions = run.sample.token_versions + [self.version] * new
-            ended = run.end == self.length(run.sample)
-            run.sample.finish_reason = "stop" if ended else "abort"
-            self.unfinished[run.key] -= 1
-            if not self.unfinished[run.key]:
-                self.finished[run.key] = self.batches.pop(run.key)
-                del self.unfinished[run.key]
-        self._deliver()
-        self._schedule()
-
-    def _deliver(self) -> None:
-        if self.waiting is not None and self.finished:
-            future, self.waiting = self.waiting, None
-            finished, self.finished = self.finished, {}
-            future.set_result(finished)
-
-
-class SimRollout:
-    """The RolloutPort over `SimEngine`s: a batch goes to the engine with the fewest running."""
-
-    def __init__(self, engines: list[SimEngine]) -> None:
-        self.engines = engines
-        self.num_workers = len(engines)
-
-    def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
-        placed = {}
-        for key, samples in batches.items():
-            engine = min(self.engines, key=lambda e: (len(e.running), e.index))
-            engine.submit(key, samples, params.stop_every)
-            placed[key] = engine.index
-        return placed
-
-    def poll(self, worker: int) -> Future:
-        return self.engines[worker].poll()
-
-    def interrupt(self) -> int:
-        raise NotImplementedError("partial_rollout 'interrupt' (timing-dependent) is not simulated")
-
-    def release_memory(self) -> None: ...
-
-    def reclaim_weights(self) -> None: ...
-
-    def reclaim_memory(self) -> None: ...
-
-
-class SimTrainer:
-    """The TrainerPort: a step costs CostModel.train_s of its tokens; a push, sync_s."""
-
-    needs_annotation = False
-
-    def __init__(self, clock: SimClock, cost: CostModel, rollout: SimRollout, k: int) -> None:
-        self.clock, self.cost, self.rollout = clock, cost, rollout
-        self.keeps_pushed_weights = k >= 1
-
-    def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        future: Future = Future()
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        self.clock.at(self.clock.now() + self.cost.train_s(tokens), lambda: future.set_result({}))
-        return future
-
-    def annotate(self, samples: list[Sample]) -> Future:
-        raise NotImplementedError
-
-    def release_memory(self) -> None: ...
-
-    def push(self, version: int) -> dict[str, float]:
-        self.clock.advance(self.cost.sync_s())
-        for engine in self.rollout.engines:
-            engine.version = version
-        return {}
-
-    def replace_rollout_worker(self, worker: int, version: int) -> None:
-        raise NotImplementedError("lost workers are not simulated")
-
-
-class SimScorer:
-    """Rewards cost nothing here. A sample is right with probability `accuracy`, fixed by its
-    ids: groups all right or all wrong are what dynamic sampling drops."""
-
-    def __init__(self, accuracy: float) -> None:
-        self.accuracy = accuracy
-
-    def score(self, groups: list[tuple[list[Sample], dict]]) -> Future:
-        def right(sample: Sample) -> float:
-            draw = random.Random(sample.group_id * 7919 + sample.index).random()
-            return float(draw < self.accuracy)
-
-        return done(([[right(s) for s in samples] for samples, _ in groups], {}))
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "scale.md"
+SPLITS = (0.5, 0.75)  # rollout shares tried for "split with the best ratio"
 
 
 @dataclass(frozen=True)
-class Workload:
-    num_steps: int = 8
-    groups_per_step: int = 32
-    group_size: int = 8
-    prompt_tokens: int = 512
-    median_tokens: int = 1500
-    sigma: float = 1.0  # log-normal spread: a few responses many times the median
-    max_tokens: int = 16384
-    num_engines: int = 4
-    accuracy: float = 0.5  # the chance a sample is right
+class Run:
+    sweep: str
+    label: str  # its row
+    gpus: int
+    cost: CostModel
+    placement: Placement
+    workload: Workload
+    schedule: Schedule
 
 
-def simulate(
-    workload: Workload,
-    cost: CostModel,
-    k: int,
-    abort_every: int = 0,
-    dynamic_sampling_rounds: int = 0,
-) -> list[dict[str, float]]:
-    """Run the real scheduler over `workload` at max_staleness `k`, with partial_rollout
-    "abort" at every `abort_every` tokens (0: "finish"), and with dynamic sampling drawing up
-    to `dynamic_sampling_rounds` times a step's groups (0: off); each step's metrics."""
-    clock = SimClock()
-    rollout = SimRollout(
-        [
-            SimEngine(
-                i,
-                clock,
-                cost,
-                lambda s: long_tailed_length(
-                    s, workload.median_tokens, workload.sigma, workload.max_tokens
-                ),
+def reasoning(length: Callable | None = None, num_steps: int = 8, groups: int = 256) -> Workload:
+    """Long-tailed reasoning RL: 256 prompts x 16 responses a step, responses log-normal
+    around 2,000 tokens (sigma 1: one in 250 reaches the 28,672 cap)."""
+    cap = 28_672
+    return Workload(
+        num_steps=num_steps,
+        groups_per_step=groups,
+        group_size=16,
+        prompt_tokens=1024,
+        length=length or LogNormal(median=2000, sigma=1.0, cap=cap),
+        max_tokens=cap,
+        tokens_per_id=64,
+    )
+
+
+OVERLAP = Schedule(max_staleness=1, partial_rollout="interrupt")
+
+
+def placements(gpus: int, tp: int) -> list[Placement]:
+    """Colocated, and split at each of SPLITS (rollout GPUs a multiple of the engines' TP)."""
+    splits = {max(tp, round(gpus * share / tp) * tp) for share in SPLITS}
+    return [Placement.colocate(gpus)] + [
+        Placement.split(gpus, r) for r in sorted(splits) if r < gpus
+    ]
+
+
+def gpu_sweep(workload: Workload) -> list[Run]:
+    runs = []
+    for cost in (CostModel(H100, QWEN25_7B), CostModel(H200, QWEN25_32B)):
+        for gpus in (8, 32, 128, 512):
+            runs.append(
+                Run(
+                    "gpus",
+                    "colocate k=0",
+                    gpus,
+                    cost,
+                    Placement.colocate(gpus),
+                    workload,
+                    Schedule(0),
+                )
             )
-            for i in range(workload.num_engines)
-        ]
-    )
-    settings = Settings(
-        num_steps=workload.num_steps,
-        groups_per_step=workload.groups_per_step,
-        group_size=workload.group_size,
-        max_staleness=k,
-        partial_rollout="abort" if abort_every else "finish",
-        abort_every=abort_every,
-        dynamic_sampling=dynamic_sampling_rounds > 0,
-        max_groups_per_step=max(1, dynamic_sampling_rounds) * workload.groups_per_step,
-        release_memory=False,
-        max_rollout_restarts=0,
-    )
-    lanes = {f"rollout-{i}": [i] for i in range(workload.num_engines)}
-    trace = Trace({**lanes, "trainer": [workload.num_engines], "reward": []}, clock=clock.now)
+            for placement in placements(gpus, cost.model.tp):
+                label = f"{placement.kind} k=1 interrupt"
+                runs.append(Run("gpus", label, gpus, cost, placement, workload, OVERLAP))
+    return runs
 
-    def next_group(group_id: int) -> tuple[dict, list[Sample]]:
-        prompt = [1] * workload.prompt_tokens
-        return {}, fresh_samples([prompt], workload.group_size, [group_id])
 
-    scheduler = Scheduler(
-        settings,
-        SamplingParams(n=workload.group_size, max_new_tokens=workload.max_tokens),
-        rollout,
-        SimTrainer(clock, cost, rollout, k),
-        SimScorer(workload.accuracy),
-        next_group,
-        trace,
-        clock=clock,
+def staleness_sweep(workload: Workload) -> list[Run]:
+    """12 steps, so that the steady state at k = 4 spans more than one tail."""
+    cost, gpus = CostModel(H100, QWEN25_7B), 128
+    workload = dataclasses.replace(workload, num_steps=12)
+    runs = []
+    for placement in (Placement.colocate(gpus), Placement.split(gpus, gpus // 2)):
+        runs.append(
+            Run("staleness", placement.label(), gpus, cost, placement, workload, Schedule(0))
+        )
+        for k in (1, 2, 4):
+            for partial in ("finish", "abort", "interrupt"):
+                schedule = Schedule(k, partial)
+                runs.append(
+                    Run("staleness", placement.label(), gpus, cost, placement, workload, schedule)
+                )
+    return runs
+
+
+def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
+    """At 85% accuracy, a group of 16 is all right 7% of the time: dropped and redrawn."""
+    cost, gpus = CostModel(H100, QWEN25_7B), 128
+    workload = dataclasses.replace(workload, accuracy=0.85)
+    runs = []
+    for placement in (Placement.colocate(gpus),):
+        for k in (0, 1):
+            for rounds in (0, 3):
+                schedule = Schedule(
+                    k, "interrupt" if k else "finish", dynamic_sampling_rounds=rounds
+                )
+                runs.append(
+                    Run("dynamic", placement.label(), gpus, cost, placement, workload, schedule)
+                )
+    return runs
+
+
+def run_all(runs: list[Run], workers: int = 2) -> list[Result]:
+    """Each run's result, in order; the largest runs go first so that no process is left
+    with one at the end."""
+    args = [(r.cost, r.placement, r.workload, r.schedule) for r in runs]
+    if workers <= 1:
+        return [simulate(*a) for a in args]
+    order = sorted(
+        range(len(runs)),
+        key=lambda i: -runs[i].workload.num_steps * runs[i].workload.groups_per_step,
     )
-    return [metrics for _, metrics in scheduler.run()]
+    with ProcessPoolExecutor(workers) as pool:
+        results = list(pool.map(simulate, *zip(*(args[i] for i in order), strict=True)))
+    by_index = dict(zip(order, results, strict=True))
+    return [by_index[i] for i in range(len(runs))]
+
+
+# -- calibration against verl's fully-async runs ----------------------------------------------
+
+# verl's recipe/fully_async_policy README, 128 H20 GPUs, Qwen2.5-Math-7B, DAPO, 512 prompts x
+# 16 responses a step, responses up to 28K tokens, rollout TP 4 (docs/scale.md, "Calibration").
+VERL_SYNC_STEP_S = 356.30  # colocated, synchronous
+VERL_SYNC_GEN_S, VERL_SYNC_LOGPROB_S, VERL_SYNC_UPDATE_S = 177.85, 53.92, 113.81
+VERL_STREAM_STEP_S = 231.34  # 64:64, staleness 0 (streaming only)
+VERL_ASYNC_STEP_S, VERL_ASYNC_UPDATE_S = 150.63, 113.16  # 64:64, staleness 0.5, partial rollout
+VERL_ASYNC_SPEEDUP = 2.35  # total time over 400 steps, as published
+VERL_COST = CostModel(H20, dataclasses.replace(QWEN25_7B, name="Qwen2.5-Math-7B", tp=4))
+
+
+def verl_workload(
+    median: int, num_steps: int, needs_annotation: bool, groups: int = 512
+) -> Workload:
+    """The run's shape; the prompts' length (256 tokens) and the responses' spread (sigma 1)
+    are not published and are assumed."""
+    cap = 28 * 1024
+    return Workload(
+        num_steps=num_steps,
+        groups_per_step=groups,
+        group_size=16,
+        prompt_tokens=256,
+        length=LogNormal(median=median, sigma=1.0, cap=cap),
+        max_tokens=cap,
+        needs_annotation=needs_annotation,
+        tokens_per_id=64,
+    )
+
+
+def _mean_after_first(result: Result, key: str) -> float:
+    values = [m[key] for m in result.steps[1:]] or [m[key] for m in result.steps]
+    return sum(values) / len(values)
+
+
+def fit_median(target_gen_s: float = VERL_SYNC_GEN_S, groups: int = 512) -> int:
+    """The one fitted number: the median response length at which the synchronous baseline
+    generates for as long as verl's did (their mean length is not published). Generation
+    time grows with the median, so a bisection over it, to 2%."""
+
+    def gen_s(median: int) -> float:
+        workload = verl_workload(median, num_steps=2, needs_annotation=True, groups=groups)
+        result = simulate(VERL_COST, Placement.colocate(128), workload, Schedule(0))
+        return _mean_after_first(result, "perf/busy_s_generate")
+
+    low, high = 64, 16_384
+    while high - low > max(low // 50, 1):
+        middle = (low + high) // 2
+        low, high = (middle, high) if gen_s(middle) < target_gen_s else (low, middle)
+    return high
+
+
+def verl_trainer(median: int) -> dict[str, CostModel]:
+    """The cost model with verl's own trainer speeds: the MFUs at which the simulated trainer
+    takes as long as verl's did (colocated on 128 GPUs: update and old log-probs; split, on
+    64: update), so that what remains to compare is generation and scheduling."""
+    workload = verl_workload(median, num_steps=3, needs_annotation=True)
+    sync = simulate(VERL_COST, Placement.colocate(128), workload, Schedule(0))
+    mfu = VERL_COST.eff.train_mfu
+    update_128 = _mean_after_first(sync, "perf/busy_s_train")
+    logprob_128 = _mean_after_first(sync, "perf/busy_s_logprobs")
+    colocated = dataclasses.replace(
+        VERL_COST.eff,
+        train_mfu=mfu * update_128 / VERL_SYNC_UPDATE_S,
+        annotate_mfu=VERL_COST.eff.annotate_mfu * logprob_128 / VERL_SYNC_LOGPROB_S,
+    )
+    split = dataclasses.replace(VERL_COST.eff, train_mfu=mfu * 2 * update_128 / VERL_ASYNC_UPDATE_S)
+    return {
+        "colocate": dataclasses.replace(VERL_COST, eff=colocated),
+        "split": dataclasses.replace(VERL_COST, eff=split),
+    }
+
+
+def calibration_runs(median: int) -> list[Run]:
+    sync = verl_workload(median, num_steps=4, needs_annotation=True)
+    overlapped = verl_workload(median, num_steps=8, needs_annotation=False)
+    colocate, split = Placement.colocate(128), Placement.split(128, 64)
+    verl = [
+        ("verl sync: colocate k=0", colocate, sync, Schedule(0)),
+        ("verl streaming: split 64:64 k=0", split, overlapped, Schedule(0)),
+        ("verl async: split 64:64 k=1 interrupt", split, overlapped, OVERLAP),
+    ]
+    tandem = [
+        ("Tandem: colocate k=1 interrupt", colocate, overlapped, OVERLAP),
+        ("Tandem: colocate k=2 interrupt", colocate, overlapped, Schedule(2, "interrupt")),
+        ("Tandem: split 96:32 k=1 interrupt", Placement.split(128, 96), overlapped, OVERLAP),
+    ]
+    fitted = verl_trainer(median)
+    return [
+        *(Run("calibration", label, 128, VERL_COST, p, w, s) for label, p, w, s in verl),
+        *(
+            Run("calibration-trainer", label, 128, fitted[p.kind], p, w, s)
+            for label, p, w, s in verl + tandem
+        ),
+    ]
+
+
+# -- reports ------------------------------------------------------------------------------------
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def _staleness(result: Result) -> str:
+    total = sum(result.staleness_tokens.values())
+    return " / ".join(
+        _pct(result.staleness_tokens.get(lag, 0), total)
+        for lag in range(max(result.staleness_tokens) + 1)
+    )
+
+
+def _best_split(rows: list[tuple[Run, Result]]) -> tuple[Run, Result]:
+    return max(
+        (row for row in rows if row[0].placement.kind == "split"),
+        key=lambda row: row[1].steps_per_hour,
+    )
+
+
+def gpu_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
+    lines = [
+        "| model, GPU | GPUs | colocate k=0 | colocate k=1 | best split k=1 (rollout:trainer) | best / colocate k=0 | idle: rollout, trainer, all GPUs (colocate k=1) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    series: dict = {}
+    for key in dict.fromkeys((run.cost.model.name, run.cost.gpu.name) for run, _ in rows):
+        for gpus in sorted({run.gpus for run, _ in rows}):
+            cell = [
+                (run, res)
+                for run, res in rows
+                if (run.cost.model.name, run.cost.gpu.name) == key and run.gpus == gpus
+            ]
+            sync = next(res for run, res in cell if run.schedule.max_staleness == 0)
+            colo = next(
+                res
+                for run, res in cell
+                if run.placement.kind == "colocate" and run.schedule.max_staleness
+            )
+            split_run, split = _best_split(cell)
+            best = max(colo.steps_per_hour, split.steps_per_hour)
+            lines.append(
+                f"| {key[0]}, {key[1]} | {gpus} | {sync.steps_per_hour:.1f} | {colo.steps_per_hour:.1f} | "
+                f"{split.steps_per_hour:.1f} ({split_run.placement.rollout_gpus}:{split_run.placement.trainer_gpus}) | "
+                f"{best / sync.steps_per_hour:.2f}x | {colo.rollout_idle:.2f}, {colo.trainer_idle:.2f}, {colo.gpu_idle:.2f} |"
+            )
+            for name, value in (
+                ("colocate k=0", sync),
+                ("colocate k=1", colo),
+                ("best split k=1", split),
+            ):
+                series.setdefault(key, {}).setdefault(name, []).append((gpus, value.steps_per_hour))
+    return "\n".join(lines), series
+
+
+def staleness_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
+    lines = [
+        "| placement | k | partial rollouts | steps/hour | idle: rollout, trainer, all GPUs | tokens by staleness 0 / 1 / ... | prefixes prefilled again | preemptions |",
+        "|---|---:|---|---:|---|---|---:|---:|",
+    ]
+    series: dict = {}
+    for run, res in rows:
+        s = run.schedule
+        lines.append(
+            f"| {run.placement.label()} | {s.max_staleness} | {s.partial_rollout} | {res.steps_per_hour:.1f} | "
+            f"{res.rollout_idle:.2f}, {res.trainer_idle:.2f}, {res.gpu_idle:.2f} | {_staleness(res)} | "
+            f"{_pct(res.reprefilled_tokens, res.generated_tokens)} | {res.preemptions} |"
+        )
+        modes = ("finish", "abort", "interrupt") if s.max_staleness == 0 else (s.partial_rollout,)
+        for mode in modes:
+            series.setdefault(run.placement.label(), {}).setdefault(mode, []).append(
+                (s.max_staleness, res.steps_per_hour)
+            )
+    return "\n".join(lines), series
+
+
+def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
+    lines = [
+        "| placement | schedule | dynamic sampling | steps/hour | groups generated a step (256 kept) | tokens dropped | idle: rollout, trainer |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    series: dict = {}
+    for run, res in rows:
+        s = run.schedule
+        generated = _mean_after_first(res, "rollout/generated_groups")
+        on = f"up to {s.dynamic_sampling_rounds} draws" if s.dynamic_sampling_rounds else "off"
+        lines.append(
+            f"| {run.placement.label()} | {s.label()} | {on} | {res.steps_per_hour:.1f} | {generated:.0f} | "
+            f"{_pct(res.dropped_tokens, res.generated_tokens)} | {res.rollout_idle:.2f}, {res.trainer_idle:.2f} |"
+        )
+        series.setdefault(f"{run.placement.label()}, {s.label()}", {})[on] = res.steps_per_hour
+    return "\n".join(lines), series
+
+
+def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
+    """One table of step times per trainer model (rows: `calibration_runs`)."""
+    sync = rows[0][1]
+    step_s = {run.label: 3600 / res.steps_per_hour for run, res in rows}
+    published = {
+        "verl sync: colocate k=0": VERL_SYNC_STEP_S,
+        "verl streaming: split 64:64 k=0": VERL_STREAM_STEP_S,
+        "verl async: split 64:64 k=1 interrupt": VERL_ASYNC_STEP_S,
+    }
+    lines = [
+        "| configuration | simulated step s | verl's step s | error | simulated speed-up over sync | verl's |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, seconds in step_s.items():
+        theirs = published.get(label)
+        speedup = step_s["verl sync: colocate k=0"] / seconds
+        verl_speedup = VERL_SYNC_STEP_S / theirs if theirs else None
+        lines.append(
+            f"| {label} | {seconds:.0f} | {f'{theirs:.0f}' if theirs else '-'} | "
+            f"{f'{100 * (seconds / theirs - 1):+.0f}%' if theirs else '-'} | {speedup:.2f}x | "
+            f"{f'{verl_speedup:.2f}x' if verl_speedup else '-'} |"
+        )
+    phases = [
+        ("generation", "perf/busy_s_generate", VERL_SYNC_GEN_S),
+        ("old log-probs", "perf/busy_s_logprobs", VERL_SYNC_LOGPROB_S),
+        ("update", "perf/busy_s_train", VERL_SYNC_UPDATE_S),
+    ]
+    lines += [
+        "",
+        "The synchronous step's phases:",
+        "",
+        "| phase | simulated s | verl's s | error |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, key, theirs in phases:
+        ours = _mean_after_first(sync, key)
+        lines.append(f"| {name} | {ours:.0f} | {theirs:.0f} | {100 * (ours / theirs - 1):+.0f}% |")
+    return "\n".join(lines), {
+        label: (seconds, published.get(label)) for label, seconds in step_s.items()
+    }
+
+
+# -- plots ----------------------------------------------------------------------------------------
+
+
+def plot_gpus(series: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
+    for ax, ((model, gpu), lines) in zip(axes[0], series.items(), strict=True):
+        for name, points in lines.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model} on {gpu}")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("steps/hour (simulated)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_staleness(series: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(series), figsize=(5 * len(series), 3.6), squeeze=False, sharey=True
+    )
+    for ax, (placement, lines) in zip(axes[0], series.items(), strict=True):
+        for mode, points in lines.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=f"partial rollouts: {mode}")
+        ax.set_title(f"Qwen2.5-7B, 128 H100, {placement}")
+        ax.set_xlabel("max staleness k")
+        ax.set_ylabel("steps/hour (simulated)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(series: dict, path: Path, title: str, ylabel: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = list(series)
+    bars = list(dict.fromkeys(bar for values in series.values() for bar in values))
+    width = 0.8 / len(bars)
+    for i, bar in enumerate(bars):
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, [series[name].get(bar, 0) for name in names], width, label=bar)
+    ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(names))], names, fontsize=8)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the whole set ----------------------------------------------------------------------------------
+
+SWEEPS = {"gpus": gpu_sweep, "staleness": staleness_sweep, "dynamic": dynamic_sampling_sweep}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--k", default="0,1,2")
-    parser.add_argument("--abort-every", type=int, default=512)
+    parser.add_argument("--lengths", type=Path, help="a trace of response lengths to replay")
+    parser.add_argument("--only", choices=[*SWEEPS, "calibration"])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    workload = Workload(num_steps=args.steps)
-    print("| k | partial rollouts | steps/hour (simulated) | mean step s | staleness max |")
-    print("|---:|---|---:|---:|---:|")
-    for k in map(int, args.k.split(",")):
-        for abort_every in (0, args.abort_every) if k else (0,):
-            steps = simulate(workload, CostModel(), k, abort_every)
-            seconds = [m["time/step_s"] for m in steps]
-            mode = f"abort every {abort_every}" if abort_every else "finish"
-            print(
-                f"| {k} | {mode} | {3600 * len(seconds) / sum(seconds):.1f} | "
-                f"{sum(seconds) / len(seconds):.1f} | "
-                f"{max(m['rollout/staleness_max'] for m in steps):.0f} |"
-            )
+    start = time.perf_counter()
+    workload = reasoning()
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+        workload = dataclasses.replace(
+            workload, length=Replay(lengths, workload.group_size, workload.max_tokens)
+        )
+    runs = [
+        run
+        for name, sweep in SWEEPS.items()
+        if args.only in (None, name)
+        for run in sweep(workload)
+    ]
+    median = fit_median() if args.only in (None, "calibration") else None
+    if median is not None:
+        runs += calibration_runs(median)
+    results = run_all(runs, args.workers)
+    elapsed = time.perf_counter() - start
+    by_sweep: dict[str, list] = {}
+    for run, result in zip(runs, results, strict=True):
+        by_sweep.setdefault(run.sweep, []).append((run, result))
+    sections = {}
+    if "gpus" in by_sweep:
+        sections["gpus"], gpu_series = gpu_report(by_sweep["gpus"])
+    if "staleness" in by_sweep:
+        sections["staleness"], staleness_series = staleness_report(by_sweep["staleness"])
+    if "dynamic" in by_sweep:
+        sections["dynamic"], dynamic_series = dynamic_report(by_sweep["dynamic"])
+    if "calibration" in by_sweep:
+        sections["calibration-median"] = (
+            f"Fitted median response length: **{median} tokens** (sigma 1, cap 28,672)."
+        )
+        sections["calibration"], calibration_series = calibration_report(
+            median, by_sweep["calibration"]
+        )
+        sections["calibration-trainer"], trainer_series = calibration_report(
+            median, by_sweep["calibration-trainer"]
+        )
+    footer = f"{len(runs)} simulated runs in {elapsed:.0f} s on {args.workers} processes."
+    for name, text in sections.items():
+        print(f"## {name}\n\n{text}\n")
+    print(footer)
+    if not args.write_docs:
+        return
+    if args.lengths:
+        raise ValueError(
+            "--write-docs publishes the long-tailed distribution's sweeps, not a trace's"
+        )
+    for name, text in sections.items():
+        write_section(f"simulate-{name}", text, DOC)
+    write_section("simulate-footer", footer, DOC)
+    if "gpus" in sections:
+        plot_gpus(gpu_series, DOC.parent / "scale_gpus.png")
+    if "staleness" in sections:
+        plot_staleness(staleness_series, DOC.parent / "scale_staleness.png")
+    if "dynamic" in sections:
+        plot_bars(
+            dynamic_series,
+            DOC.parent / "scale_dynamic_sampling.png",
+            "Dynamic sampling, Qwen2.5-7B, 128 H100",
+            "steps/hour (simulated)",
+        )
+    if "calibration" in sections:
+        bars = {
+            label.split(": ")[1]: {
+                "simulated, FLOPs trainer": ours,
+                "simulated, verl's trainer speed": trainer_series[label][0],
+                **({"verl published": theirs} if theirs else {}),
+            }
+            for label, (ours, theirs) in calibration_series.items()
+        }
+        plot_bars(
+            bars,
+            DOC.parent / "scale_calibration.png",
+            "verl's fully-async runs, 128 H20: step seconds",
+            "seconds a step",
+        )
 
 
 if __name__ == "__main__":

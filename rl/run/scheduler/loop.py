@@ -41,6 +41,7 @@ and the step metrics are in rl.run.scheduler.prompt_groups.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -100,6 +101,9 @@ class Scheduler:
         self.rollout_version = start_version  # the weights the rollout workers serve
         self._num_groups = 0
         self._pending: dict[Future, tuple] = {}  # future -> (kind, *payload)
+        # Futures pending per kind: the loop asks after them every turn, and a cluster's
+        # hundreds of polls make a scan of `_pending` cost more than the turn.
+        self._kinds: Counter[str] = Counter()
         # Per rollout worker: group id -> group generating there; and workers being polled.
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
         self._polled: set[int] = set()
@@ -222,7 +226,7 @@ class Scheduler:
         for worker, groups in enumerate(self._generating):
             if groups and worker not in self._polled:
                 self._polled.add(worker)
-                self._pending[self.rollout.poll(worker)] = ("generate", worker)
+                self._await(self.rollout.poll(worker), "generate", worker)
 
     def _generated(self, worker: int, finished: dict[int, list[Sample]]) -> None:
         self._polled.discard(worker)
@@ -243,7 +247,7 @@ class Scheduler:
             # id order, however they finished.
             self.trace.begin("reward", "reward", group.step)
             future = self.scorer.score([(group.samples, group.example)])
-            self._pending[future] = ("score", group)
+            self._await(future, "score", group)
         self._poll()
 
     def _scored(self, group: Group, result: tuple[list[list[float]], dict[str, float]]) -> None:
@@ -256,8 +260,12 @@ class Scheduler:
         self.admission.finish(group.step, group.kept)
         self._finished.setdefault(group.step, []).append(group)
 
+    def _await(self, future: Future, kind: str, *payload: object) -> None:
+        self._pending[future] = (kind, *payload)
+        self._kinds[kind] += 1
+
     def _is_scoring(self) -> bool:
-        return any(kind == "score" for kind, *_ in self._pending.values())
+        return self._kinds["score"] > 0
 
     def _is_generating(self) -> bool:
         return any(self._generating)
@@ -310,7 +318,7 @@ class Scheduler:
     # -- training -----------------------------------------------------------------------
 
     def _trainer_busy(self) -> bool:
-        return any(kind in ("annotate", "train") for kind, *_ in self._pending.values())
+        return self._kinds["annotate"] + self._kinds["train"] > 0
 
     def _feed_trainer(self) -> None:
         if self._trainer_busy():
@@ -320,6 +328,8 @@ class Scheduler:
             return
         if self.settings.release_memory and self._is_generating():
             return  # time-sliced devices: the engines have them
+        if self._sync_pending() and not self.trainer.needs_annotation:
+            return  # it trains after the sync; only an annotation may come first
         kept = self._kept(step)
         if self.trainer.needs_annotation and not all(group.annotated for group in kept):
             # At version step - 1 (now): these are the proximal policy's log-probs. The whole
@@ -327,7 +337,7 @@ class Scheduler:
             self.trace.begin("trainer", "logprobs", step)
             samples = [sample for group in kept for sample in group.samples]
             self.turns.to_trainer()
-            self._pending[self.trainer.annotate(samples)] = ("annotate", kept)
+            self._await(self.trainer.annotate(samples), "annotate", kept)
             return
         if self._sync_pending():
             return
@@ -335,7 +345,7 @@ class Scheduler:
         scores = [score for group in kept for score in group.scores]
         self.turns.to_trainer()
         self.trace.begin("trainer", "train", step)
-        self._pending[self.trainer.train(step, samples, scores)] = ("train", step)
+        self._await(self.trainer.train(step, samples, scores), "train", step)
 
     def _kept(self, step: int) -> list[Group]:
         """The groups step `step` trains on, in id order."""
@@ -408,6 +418,7 @@ class Scheduler:
 
     def _complete(self, future: Future) -> None:
         kind, *payload = self._pending.pop(future)
+        self._kinds[kind] -= 1
         try:
             result = future.result()
         except WorkerLost:

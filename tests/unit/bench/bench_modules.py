@@ -9,6 +9,14 @@ from types import ModuleType
 from tests.helpers.repo import REPO
 
 
+def bench_import(name: str) -> ModuleType:
+    """A module of a package under bench/ (such as "sim.engine"), imported as a script there
+    imports it."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))
+    return importlib.import_module(name)
+
+
 def load_bench_module(name: str) -> ModuleType:
     """bench/<name>.py as a module; the scripts it imports come from bench/, as when run."""
     if str(REPO / "bench") not in sys.path:

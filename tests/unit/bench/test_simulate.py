@@ -1,9 +1,11 @@
-"""bench/simulate.py: the real scheduler on a simulated clock takes, step by step, the time
-the cost model gives its work, and overlaps generation with training at k >= 1."""
+"""bench/simulate.py: a small sweep of the real scheduler on simulated GPUs runs and is
+reported run by run; the calibration's one fitted number is recovered from the generation
+time it gives."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -12,49 +14,50 @@ from tests.unit.bench.bench_modules import load_bench_module
 simulate = load_bench_module("simulate")
 
 
-def test_a_synchronous_step_takes_generation_then_training_then_the_sync() -> None:
-    # One engine, one group of 2 samples of exactly 1000 tokens (no spread).
-    workload = simulate.Workload(
-        num_steps=2, groups_per_step=1, group_size=2, prompt_tokens=100,
-        median_tokens=1000, sigma=0.0, num_engines=1,
-    )  # fmt: skip
-    cost = simulate.CostModel()
-    steps = simulate.simulate(workload, cost, k=0)
-    generate = 2 * 100 * cost.prefill_s_per_token + 1000 * cost.decode_s(2)
-    train = cost.train_s(2 * (100 + 1000))
-    expected = generate + train + cost.sync_s()
-    assert [m["time/step_s"] for m in steps] == pytest.approx([expected, expected], rel=1e-12)
-    assert [m["time/sync_s"] for m in steps] == pytest.approx([cost.sync_s()] * 2, rel=1e-12)
+def small(num_steps: int) -> object:
+    return dataclasses.replace(simulate.reasoning(num_steps=num_steps, groups=8), group_size=4)
 
 
-def test_overlap_raises_steps_per_hour_within_the_staleness_bound() -> None:
-    workload = simulate.Workload(num_steps=6, groups_per_step=8, group_size=4, num_engines=2)
-    # A trainer as slow as generation, so that there is something to hide.
-    cost = dataclasses.replace(simulate.CostModel(), mfu=0.01)
-    hours = {}
-    for k in (0, 1):
-        steps = simulate.simulate(workload, cost, k)
-        assert len(steps) == workload.num_steps
-        assert max(m["rollout/staleness_max"] for m in steps) <= k
-        hours[k] = sum(m["time/step_s"] for m in steps)
-    assert hours[1] < 0.9 * hours[0]
+def test_a_staleness_sweep_reports_each_run_and_its_staleness_within_the_bound() -> None:
+    runs = simulate.staleness_sweep(small(num_steps=6))
+    runs = [
+        dataclasses.replace(r, workload=dataclasses.replace(r.workload, num_steps=6)) for r in runs
+    ]
+    results = simulate.run_all(runs, workers=1)
+    table, series = simulate.staleness_report(list(zip(runs, results, strict=True)))
+    rows = [line for line in table.splitlines()[2:]]
+    assert len(rows) == len(runs) == 20
+    for run, result, row in zip(runs, results, rows, strict=True):
+        assert max(result.staleness_tokens) <= run.schedule.max_staleness
+        shares = re.findall(r"(\d+)%", row.split("|")[6])
+        assert len(shares) == max(result.staleness_tokens) + 1
+        assert sum(map(int, shares)) == pytest.approx(100, abs=len(shares))  # rounded
+    # Each placement's line per partial-rollout mode starts at k = 0 and ends at k = 4.
+    for lines in series.values():
+        assert {mode: [k for k, _ in points] for mode, points in lines.items()} == {
+            mode: [0, 1, 2, 4] for mode in ("finish", "abort", "interrupt")
+        }
 
 
-def test_aborted_samples_resume_after_their_prefix_under_the_next_version() -> None:
-    workload = simulate.Workload(num_steps=5, groups_per_step=8, group_size=4, num_engines=2)
-    steps = simulate.simulate(workload, simulate.CostModel(), k=2, abort_every=256)
-    assert len(steps) == workload.num_steps
-    # Later steps' samples stopped at abort points and went on after a sync.
-    assert sum(m["rollout/resumed_samples"] for m in steps) > 0
-    assert max(m["rollout/staleness_max"] for m in steps) <= 2
-
-
-def test_dynamic_sampling_draws_more_groups_where_a_step_keeps_too_few() -> None:
-    # At 85% accuracy a group of 4 is all right about half the time: dropped.
-    workload = simulate.Workload(
-        num_steps=4, groups_per_step=8, group_size=4, num_engines=2, accuracy=0.85
+def test_the_fitted_median_gives_back_the_generation_time_it_was_fitted_to() -> None:
+    median = 1500
+    workload = simulate.verl_workload(median, num_steps=2, needs_annotation=True, groups=8)
+    result = simulate.simulate(
+        simulate.VERL_COST, simulate.Placement.colocate(128), workload, simulate.Schedule(0)
     )
-    steps = simulate.simulate(workload, simulate.CostModel(), k=1, dynamic_sampling_rounds=3)
-    assert len(steps) == workload.num_steps
-    assert all(m["rollout/generated_groups"] > m["rollout/kept_groups"] for m in steps)
-    assert all(m["rollout/generated_groups"] <= 3 * 8 for m in steps)
+    generate_s = result.steps[1]["perf/busy_s_generate"]
+    assert simulate.fit_median(generate_s, groups=8) == pytest.approx(median, rel=0.03)
+
+
+def test_split_placements_keep_the_engines_whole() -> None:
+    assert [p.label() for p in simulate.placements(8, tp=2)] == [
+        "colocate",
+        "split 4:4",
+        "split 6:2",
+    ]
+    assert [p.label() for p in simulate.placements(8, tp=1)] == [
+        "colocate",
+        "split 4:4",
+        "split 6:2",
+    ]
+    assert [p.label() for p in simulate.placements(4, tp=4)] == ["colocate"]

@@ -1,0 +1,158 @@
+"""What each kind of work costs on a GPU cluster: the simulation's cost model.
+
+Every figure is a hardware datasheet value, a model's shape from its config.json, or a
+published measurement; docs/scale.md cites each and says what the model leaves out. The
+formulas:
+
+- decode, one step of an engine of `tp` GPUs running `batch` samples whose contexts add up
+  to `context` tokens (vLLM's continuous batching: every running sample gains one token a
+  step). A step reads the weights and every running sample's KV cache from HBM, or, at a
+  large batch, is bound by its matrix multiplies:
+      overhead + overhead per sample x batch
+      + max((weight bytes + kv bytes x context) / (tp x HBM bandwidth x efficiency),
+            2 x params x batch / (tp x peak x decode MFU))
+- prefill of S tokens after a prefix of C (a prompt, or a resumed sample's prefix):
+      (2 x params x S + 2 x layers x hidden x S x (2C + S)) / (tp x peak x prefill MFU)
+- training on a sample of S tokens, forward and backward (causal attention's work counted
+  as done, half of a full S x S):
+      (6 x params x S + 6 x layers x hidden x S^2) / (GPUs x peak x train MFU)
+  and an annotation (log-probs of old/reference policy) a third of that work, at its own MFU;
+- a weight sync: the bytes each engine GPU receives over its link, plus a fixed latency
+  (vLLM's load_weights and the protocol's calls);
+- moving memory to and from the host (time-sliced GPUs): bytes over PCIe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+    nvlink_bytes_per_s: float  # per GPU, one direction
+    network_bytes_per_s: float  # per GPU across nodes (one 400 Gb/s NIC per GPU)
+    pcie_bytes_per_s: float  # host <-> device, one direction
+    gpus_per_node: int = 8
+
+
+# NVIDIA's datasheets (SXM parts); the H20's as published by resellers (docs/scale.md).
+H100 = Gpu("H100", 80e9, 3.35e12, 989e12, 450e9, 50e9, 55e9)
+H200 = Gpu("H200", 141e9, 4.8e12, 989e12, 450e9, 50e9, 55e9)
+H20 = Gpu("H20", 96e9, 4.0e12, 148e12, 450e9, 50e9, 55e9)  # verl's fully-async runs
+GPUS = {gpu.name: gpu for gpu in (H100, H200, H20)}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder's shape, from its config.json."""
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    tp: int  # the tensor parallel size its rollout engines use
+
+    @property
+    def weight_bytes(self) -> float:  # bf16
+        return 2 * self.params
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # keys and values, bf16, every layer
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+QWEN25_7B = Model("Qwen2.5-7B", 7.62e9, 28, 3584, 4, 128, tp=1)
+QWEN25_32B = Model("Qwen2.5-32B", 32.8e9, 64, 5120, 8, 128, tp=2)
+MODELS = {model.name: model for model in (QWEN25_7B, QWEN25_32B)}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fractions of the datasheet a real stack reaches, and fixed latencies. The decode
+    overheads are fitted to vLLM's published H100 figures (docs/scale.md, "Cost model")."""
+
+    decode_hbm: float = 0.8  # of HBM bandwidth, reading weights and KV cache
+    decode_mfu: float = 0.5  # a large decode batch's matrix multiplies
+    decode_step_s: float = 0.001  # a decode step's fixed cost: launches, scheduling
+    decode_sample_s: float = 4.5e-5  # and per running sample: sampling, bookkeeping
+    prefill_mfu: float = 0.5
+    train_mfu: float = 0.35
+    annotate_mfu: float = 0.35  # forward passes for old/reference log-probs
+    sync_latency_s: float = 0.1  # a weight sync's calls, whatever its size
+    gpu_memory_utilization: float = 0.9  # vLLM's default share of a GPU's memory
+    activation_bytes: float = 8 * GiB  # what a colocated trainer keeps for its activations
+    max_num_seqs: int = 1024  # vLLM's default on H100/H200 (engine/arg_utils.py)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    gpu: Gpu
+    model: Model
+    eff: Efficiency = Efficiency()
+
+    # -- rollout ------------------------------------------------------------------------
+
+    def decode_step_s(self, batch: int, context: float) -> float:
+        g, m, e = self.gpu, self.model, self.eff
+        memory = (m.weight_bytes + m.kv_bytes_per_token * context) / (
+            m.tp * g.hbm_bytes_per_s * e.decode_hbm
+        )
+        compute = 2 * m.params * batch / (m.tp * g.bf16_flops * e.decode_mfu)
+        return e.decode_step_s + e.decode_sample_s * batch + max(memory, compute)
+
+    def prefill_s(self, tokens: int, prefix: int) -> float:
+        g, m = self.gpu, self.model
+        flops = 2 * m.params * tokens + 2 * m.layers * m.hidden * tokens * (2 * prefix + tokens)
+        return flops / (m.tp * g.bf16_flops * self.eff.prefill_mfu)
+
+    def kv_capacity_tokens(self, trainer_gpus_sharing: int = 0) -> int:
+        """Tokens an engine's KV cache holds. On GPUs it shares with a trainer that keeps its
+        state on them (`trainer_gpus_sharing` of them), that state (bf16 weights, fp32
+        gradients, fp32 master and Adam: 16 bytes a parameter, sharded) comes off first."""
+        g, m, e = self.gpu, self.model, self.eff
+        free = m.tp * g.memory_bytes * e.gpu_memory_utilization - m.weight_bytes
+        if trainer_gpus_sharing:
+            free -= m.tp * (16 * m.params / trainer_gpus_sharing + e.activation_bytes)
+        if free <= 0:
+            raise ValueError(f"{m.name} does not fit on {m.tp} {g.name} GPUs beside its trainer")
+        return int(free // m.kv_bytes_per_token)
+
+    # -- training -----------------------------------------------------------------------
+
+    def train_flops(self, lengths: list[int]) -> float:
+        m = self.model
+        return sum(6 * m.params * s + 6 * m.layers * m.hidden * s * s for s in lengths)
+
+    def train_s(self, lengths: list[int], gpus: int) -> float:
+        return self.train_flops(lengths) / (gpus * self.gpu.bf16_flops * self.eff.train_mfu)
+
+    def annotate_s(self, lengths: list[int], gpus: int) -> float:
+        """A forward pass: a third of training's work."""
+        flops = self.train_flops(lengths) / 3
+        return flops / (gpus * self.gpu.bf16_flops * self.eff.annotate_mfu)
+
+    # -- weights and memory -------------------------------------------------------------
+
+    def sync_s(self, colocated_on_one_node: bool) -> float:
+        """Each engine GPU receives its 1/tp of the bf16 weights: over NVLink from a trainer
+        rank on its own node (CUDA IPC after an all-gather over NVLink), else over the
+        network (NCCL, each trainer rank sending its rows)."""
+        g, m = self.gpu, self.model
+        link = g.nvlink_bytes_per_s if colocated_on_one_node else g.network_bytes_per_s
+        return m.weight_bytes / m.tp / link + self.eff.sync_latency_s
+
+    def engine_sleep_s(self) -> float:
+        """vLLM's sleep (level 1) or wake-up: an engine GPU's weights to or from the host."""
+        return self.model.weight_bytes / self.model.tp / self.gpu.pcie_bytes_per_s
+
+    def trainer_offload_s(self, gpus: int) -> float:
+        """A trainer rank's state (16 bytes a parameter, sharded) to or from the host."""
+        return 16 * self.model.params / gpus / self.gpu.pcie_bytes_per_s

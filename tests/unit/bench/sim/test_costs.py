@@ -1,0 +1,69 @@
+"""bench/sim/costs.py against published measurements: vLLM's decode speed on H100 (the two
+figures its decode overheads were fitted to, and Qwen's own A100 figures, which they were
+not), and the memory and FLOP formulas written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.bench.bench_modules import bench_import
+
+costs = bench_import("sim.costs")
+
+# Llama-3-8B's config.json: 8.03e9 parameters, 32 layers, hidden 4096, 8 KV heads of 128.
+LLAMA3_8B = costs.Model("Llama-3-8B", 8.03e9, 32, 4096, 8, 128, tp=1)
+# ShareGPT as vLLM's benchmarks sample it: 202 prompt and 179 response tokens on average.
+SHAREGPT_IN, SHAREGPT_OUT = 202, 179
+
+
+def test_decode_reproduces_the_vllm_h100_figures_it_was_fitted_to() -> None:
+    cost = costs.CostModel(costs.H100, LLAMA3_8B)
+    context = SHAREGPT_IN + SHAREGPT_OUT / 2  # a running sample's mean context
+    # LambdaLabsML/vllm-benchmark: 10 concurrent requests, median time per token 7.56 ms.
+    assert cost.decode_step_s(10, 10 * context) == pytest.approx(7.56e-3, rel=0.02)
+    # The same benchmark, 256 sequences at once: 8,088 output tokens/s, prefills included.
+    requests_per_s = 8088 / SHAREGPT_OUT
+    prefill_share = requests_per_s * cost.prefill_s(SHAREGPT_IN, 0)
+    tokens_per_s = 256 / cost.decode_step_s(256, 256 * context) * (1 - prefill_share)
+    assert tokens_per_s == pytest.approx(8088, rel=0.02)
+
+
+def test_decode_is_within_a_quarter_of_qwens_own_a100_figures_it_was_not_fitted_to() -> None:
+    # Qwen2.5's speed benchmark, vLLM 0.6.3, one A100 80GB (2.039 TB/s, 312 TFLOPS),
+    # batch 1, 2,048 new tokens: 84.28 tokens/s after a 1-token prompt, 70.33 after 30,720.
+    a100 = costs.Gpu("A100", 80e9, 2.039e12, 312e12, 300e9, 25e9, 25e9)
+    cost = costs.CostModel(a100, costs.QWEN25_7B)
+    for prompt, measured in ((1, 84.28), (30_720, 70.33)):
+        predicted = 1 / cost.decode_step_s(1, prompt + 1024)
+        assert predicted == pytest.approx(measured, rel=0.25)
+
+
+def test_the_kv_cache_holds_what_vllms_memory_share_leaves_after_the_weights() -> None:
+    cost = costs.CostModel(costs.H100, costs.QWEN25_7B)
+    per_token = 2 * 28 * 4 * 128 * 2  # keys and values, 28 layers, 4 KV heads of 128, bf16
+    assert cost.kv_capacity_tokens() == int((0.9 * 80e9 - 2 * 7.62e9) // per_token)
+    # Beside a trainer sharded over 8 GPUs: its 16 bytes a parameter, and its activations.
+    beside = 0.9 * 80e9 - 2 * 7.62e9 - (16 * 7.62e9 / 8 + 8 * 2**30)
+    assert cost.kv_capacity_tokens(trainer_gpus_sharing=8) == int(beside // per_token)
+
+
+def test_a_model_that_does_not_fit_beside_its_trainer_is_refused() -> None:
+    cost = costs.CostModel(costs.H100, costs.QWEN25_32B)
+    with pytest.raises(
+        ValueError, match="Qwen2.5-32B does not fit on 2 H100 GPUs beside its trainer"
+    ):
+        cost.kv_capacity_tokens(trainer_gpus_sharing=8)
+
+
+def test_training_costs_six_flops_a_parameter_a_token_plus_causal_attention() -> None:
+    cost = costs.CostModel(costs.H100, costs.QWEN25_7B)
+    s = 4096
+    flops = 6 * 7.62e9 * s + 6 * 28 * 3584 * s * s
+    assert cost.train_s([s, s], gpus=8) == pytest.approx(2 * flops / (8 * 989e12 * 0.35))
+    assert cost.annotate_s([s], gpus=8) == pytest.approx(flops / 3 / (8 * 989e12 * 0.35))
+
+
+def test_a_sync_moves_each_engine_gpus_share_of_the_bf16_weights_over_its_link() -> None:
+    cost = costs.CostModel(costs.H200, costs.QWEN25_32B)  # TP 2: half the weights a GPU
+    assert cost.sync_s(colocated_on_one_node=True) == pytest.approx(2 * 32.8e9 / 2 / 450e9 + 0.1)
+    assert cost.sync_s(colocated_on_one_node=False) == pytest.approx(2 * 32.8e9 / 2 / 50e9 + 0.1)
