@@ -108,6 +108,17 @@ def staleness_sweep(workload: Workload) -> list[Run]:
     return runs
 
 
+def abort_sweep(workload: Workload) -> list[Run]:
+    """partial_rollout "abort" at a fixed 2,048 tokens, against the staleness sweep's "auto"
+    (the scheduler's default: the last synced step's 95th percentile)."""
+    cost, placement = CostModel(H100, QWEN25_7B), Placement.colocate(128)
+    workload = dataclasses.replace(workload, num_steps=12)
+    return [
+        Run("abort", "colocate", 128, cost, placement, workload, Schedule(k, "abort", 2048))
+        for k in (1, 2, 4)
+    ]
+
+
 def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
     """At 85% accuracy, a group of 16 is all right 7% of the time: dropped and redrawn."""
     cost, gpus = CostModel(H100, QWEN25_7B), 128
@@ -316,6 +327,36 @@ def staleness_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     return "\n".join(lines), series
 
 
+def abort_report(
+    rows: list[tuple[Run, Result]], staleness: list[tuple[Run, Result]]
+) -> tuple[str, dict]:
+    """Colocated, per k: finish, abort at a fixed point, abort at "auto", interrupt."""
+    colocated = [row for row in [*staleness, *rows] if row[0].placement.kind == "colocate"]
+    lines = [
+        "| k | partial rollouts | steps/hour | prefixes prefilled again |",
+        "|---:|---|---:|---:|",
+    ]
+    series: dict = {}
+    order = ("finish", "abort every", "abort", "interrupt")  # auto is plain "abort"
+    for k in (1, 2, 4):
+        at_k = [row for row in colocated if row[0].schedule.max_staleness == k]
+        for run, res in sorted(at_k, key=lambda row: _mode_rank(row[0], order)):
+            label = run.schedule.label().split(" ", 1)[1]
+            if label == "abort":
+                label = "abort, auto (95th percentile)"
+            lines.append(
+                f"| {k} | {label} | {res.steps_per_hour:.1f} | "
+                f"{_pct(res.reprefilled_tokens, res.generated_tokens)} |"
+            )
+            series.setdefault(f"k={k}", {})[label] = res.steps_per_hour
+    return "\n".join(lines), series
+
+
+def _mode_rank(run: Run, order: tuple[str, ...]) -> int:
+    label = run.schedule.label().split(" ", 1)[1]
+    return next(i for i, mode in enumerate(order) if label.startswith(mode))
+
+
 def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     lines = [
         "| placement | schedule | dynamic sampling | steps/hour | groups generated a step (256 kept) | tokens dropped | idle: rollout, trainer |",
@@ -438,7 +479,12 @@ def plot_bars(series: dict, path: Path, title: str, ylabel: str) -> None:
 
 # -- the whole set ----------------------------------------------------------------------------------
 
-SWEEPS = {"gpus": gpu_sweep, "staleness": staleness_sweep, "dynamic": dynamic_sampling_sweep}
+SWEEPS = {
+    "gpus": gpu_sweep,
+    "staleness": staleness_sweep,
+    "abort": abort_sweep,
+    "dynamic": dynamic_sampling_sweep,
+}
 
 
 def main() -> None:
@@ -455,10 +501,12 @@ def main() -> None:
         workload = dataclasses.replace(
             workload, length=Replay(lengths, workload.group_size, workload.max_tokens)
         )
+    # The abort points' report sets them against the staleness sweep's "auto" rows.
+    wanted = {args.only, "staleness"} if args.only == "abort" else {args.only}
     runs = [
         run
         for name, sweep in SWEEPS.items()
-        if args.only in (None, name)
+        if None in wanted or name in wanted
         for run in sweep(workload)
     ]
     median = fit_median() if args.only in (None, "calibration") else None
@@ -474,6 +522,8 @@ def main() -> None:
         sections["gpus"], gpu_series = gpu_report(by_sweep["gpus"])
     if "staleness" in by_sweep:
         sections["staleness"], staleness_series = staleness_report(by_sweep["staleness"])
+    if "abort" in by_sweep and "staleness" in by_sweep:
+        sections["abort"], abort_series = abort_report(by_sweep["abort"], by_sweep["staleness"])
     if "dynamic" in by_sweep:
         sections["dynamic"], dynamic_series = dynamic_report(by_sweep["dynamic"])
     if "calibration" in by_sweep:
@@ -503,6 +553,13 @@ def main() -> None:
         plot_gpus(gpu_series, DOC.parent / "scale_gpus.png")
     if "staleness" in sections:
         plot_staleness(staleness_series, DOC.parent / "scale_staleness.png")
+    if "abort" in sections:
+        plot_bars(
+            abort_series,
+            DOC.parent / "scale_abort_points.png",
+            "Partial rollouts, Qwen2.5-7B, 128 H100 colocated",
+            "steps/hour (simulated)",
+        )
     if "dynamic" in sections:
         plot_bars(
             dynamic_series,

@@ -75,11 +75,16 @@ class Workload:
 class Schedule:
     max_staleness: int
     partial_rollout: PartialRollout = "finish"
-    abort_every: int = 2048  # tokens, for partial_rollout "abort"
+    # partial_rollout "abort": tokens, or "auto" (the scheduler's default, the 95th
+    # percentile of the last synced step's lengths)
+    abort_every: int | Literal["auto"] = "auto"
     dynamic_sampling_rounds: int = 0  # 0: off
 
     def label(self) -> str:
-        return f"k={self.max_staleness} {self.partial_rollout}"
+        mode = self.partial_rollout
+        if mode == "abort" and self.abort_every != "auto":
+            mode += f" every {self.abort_every}"
+        return f"k={self.max_staleness} {mode}"
 
 
 @dataclass
@@ -246,7 +251,7 @@ def simulate(
         SimEngine(i, clock, cost, workload.length, capacity, tpi, on_busy=engine_busy)
         for i in range(num_engines)
     ]
-    rollout = SimRollout(engines, tpi, cost.engine_sleep_s() if time_sliced else 0.0)
+    rollout = SimRollout(engines, cost.engine_sleep_s() if time_sliced else 0.0)
     trainer = SimTrainer(
         clock, cost, placement, rollout, tpi, workload.needs_annotation,
         keeps_pushed_weights=schedule.max_staleness >= 1, time_sliced=time_sliced,
@@ -260,7 +265,12 @@ def simulate(
         group_size=workload.group_size,
         max_staleness=schedule.max_staleness,
         partial_rollout=schedule.partial_rollout,
-        abort_every=schedule.abort_every,
+        # The scheduler sees ids: lengths, max_new_tokens and stop points alike.
+        abort_every=(
+            schedule.abort_every
+            if schedule.abort_every == "auto"
+            else max(1, schedule.abort_every // tpi)
+        ),
         dynamic_sampling=rounds > 0,
         max_groups_per_step=max(1, rounds) * workload.groups_per_step,
         release_memory=time_sliced,
@@ -276,7 +286,7 @@ def simulate(
 
     scheduler = Scheduler(
         settings,
-        SamplingParams(n=workload.group_size, max_new_tokens=workload.max_tokens),
+        SamplingParams(n=workload.group_size, max_new_tokens=workload.max_tokens // tpi),
         rollout, trainer, scorer, next_group, trace, clock=clock,
     )  # fmt: skip
     steps, ends = [], []

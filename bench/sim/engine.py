@@ -269,25 +269,23 @@ class SimEngine:
 
 class SimRollout:
     """The RolloutPort over `SimEngine`s: a batch goes to the engine with the fewest samples
-    in flight, as rl.cluster.rollout_replicas places it. Stop points (partial_rollout
-    "abort") are converted from tokens to ids. On time-sliced GPUs, sleeping and waking move
-    the engines' weights over PCIe."""
+    in flight, as rl.cluster.rollout_replicas places it. Like every length the scheduler
+    sees, stop points (partial_rollout "abort") are in ids. On time-sliced GPUs, sleeping and
+    waking move the engines' weights over PCIe."""
 
-    def __init__(self, engines: list[SimEngine], tokens_per_id: int, sleep_s: float) -> None:
+    def __init__(self, engines: list[SimEngine], sleep_s: float) -> None:
         self.engines = engines
         self.num_workers = len(engines)
-        self.tokens_per_id = tokens_per_id
         self.sleep_s = sleep_s  # time-sliced GPUs: the weights to or from the host
         self.clock = engines[0].clock
 
     def submit(self, batches: dict[int, list[Sample]], params: SamplingParams) -> dict[int, int]:
-        assert params.stop_every % self.tokens_per_id == 0, "abort_every in whole ids"
         loads = [(engine.load, engine.index) for engine in self.engines]
         heapq.heapify(loads)
         placed = {}
         for key, samples in batches.items():
             load, index = heapq.heappop(loads)
-            self.engines[index].submit(key, samples, params.stop_every // self.tokens_per_id)
+            self.engines[index].submit(key, samples, params.stop_every)
             heapq.heappush(loads, (load + len(samples), index))
             placed[key] = index
         return placed

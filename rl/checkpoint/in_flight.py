@@ -19,7 +19,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rl.agents.environment import Environment
 from rl.agents.episode import Episode
@@ -77,6 +77,7 @@ class _InFlightRecord(_Record):
     next_group_id: int
     admission: dict[str, list[int]]
     groups: list[_GroupRecord]
+    abort_every: int = Field(ge=1)
 
 
 # Sample fields a checkpoint leaves out: the trainer's annotations, computed again on resume.
@@ -88,6 +89,7 @@ def in_flight_to_json(state: InFlight) -> dict:
     return {
         "next_group_id": state.next_group_id,
         "admission": state.admission,
+        "abort_every": state.abort_every,
         "groups": [
             {
                 "group_id": group.group_id,
@@ -118,7 +120,7 @@ def in_flight_from_json(
         samples = [_sample_from_record(s, env_class, where) for s in group.samples]
         fields = group.model_dump(exclude={"samples"})
         groups.append(Group(samples=samples, **fields))
-    return InFlight(checked.next_group_id, checked.admission, groups)
+    return InFlight(checked.next_group_id, checked.admission, groups, checked.abort_every)
 
 
 def _sample_to_json(sample: Sample) -> dict:

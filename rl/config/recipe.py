@@ -341,7 +341,12 @@ def _describe_overlap(cfg: Config) -> str:
         how = f"{correction} against proximal log-probs recomputed by a trainer pass"
     partial = cfg.scheduler.partial_rollout
     if partial == "abort":
-        partial += f" every {cfg.scheduler.abort_every} tokens"
+        every = cfg.scheduler.abort_every
+        partial += (
+            " at the 95th percentile of the last synced step's response lengths"
+            if every == "auto"
+            else f" every {every} tokens"
+        )
     return (
         f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
         f"partial_rollout={partial}; off-policy correction: {how}"

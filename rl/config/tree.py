@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,11 +70,13 @@ class SchedulerConfig(Section):
         "waits, but runs are not reproducible) and resumes under the next version with its "
         "prefix kept.",
     )
-    abort_every: int = Field(
-        64,
-        ge=1,
+    abort_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
         description="partial_rollout abort: the response tokens such a sample generates under "
-        "one policy version before it waits for the next (a deterministic abort point).",
+        "one policy version before it waits for the next (a deterministic abort point). auto: "
+        "the 95th percentile of the response lengths of the step last synced "
+        "(rollout.max_new_tokens until the first sync), so that only the long tail stops "
+        "(docs/scale.md, 'Abort points').",
     )
 
     @property

@@ -19,7 +19,10 @@ follow from the configuration and the seed, never from which future finished fir
   a sample for a later step than the next stops each time its length reaches a multiple of
   `abort_every` (SamplingParams.stop_every) and resumes under the next version: the abort
   point is fixed by its length, not by a clock. What it costs: a sync waits for the segments
-  in flight to reach that point, and a sample that reached it waits for the sync.
+  in flight to reach that point, a sample that reached it waits for the sync, and a resumed
+  sample's prefix is prefilled again. So "auto" puts the point where only the long tail
+  stops: at the 95th percentile of the response lengths of the step last synced
+  (`abort_point`), taken at the sync, a point in the run fixed like the groups' starts.
   partial_rollout "interrupt" is the exception, kept for speed: a sync that comes due aborts
   what is generating wherever it is (RolloutPort.interrupt), so it never waits, and where
   samples stop, hence what is trained, depends on timing.
@@ -41,6 +44,7 @@ and the step metrics are in rl.run.scheduler.prompt_groups.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -120,9 +124,15 @@ class Scheduler:
         self._held: list[Group] = []
         self._num_lost, self._lost_in_step = 0, 0  # in the run; generating, this step
         self._step_metrics: dict[int, dict[str, float]] = {}
+        # partial_rollout "abort": the stop points of groups submitted until the next sync,
+        # and (auto) those the step trained last gives at the sync.
+        auto = settings.abort_every == "auto"
+        self._abort_every = sampling.max_new_tokens if auto else settings.abort_every
+        self._next_abort_every = self._abort_every
         self._last_step_end = clock.now()
         if in_flight is not None:
             self._num_groups = in_flight.next_group_id
+            self._abort_every = self._next_abort_every = in_flight.abort_every
             self.admission.load_state_dict(in_flight.admission)
             for group in in_flight.groups:
                 if group.step > settings.num_steps:  # a resumed run shortened
@@ -164,6 +174,7 @@ class Scheduler:
             self._num_groups,
             self.admission.state_dict(),
             sorted([*waiting, *scored], key=lambda group: group.group_id),
+            self._abort_every,
         )
 
     # -- generation ---------------------------------------------------------------------
@@ -191,7 +202,7 @@ class Scheduler:
         """The next step's groups finish under this version; later steps' stop at abort
         points under partial_rollout "abort"."""
         if group.step > self.rollout_version + 1 and self.settings.partial_rollout == "abort":
-            return dataclasses.replace(self.sampling, stop_every=self.settings.abort_every)
+            return dataclasses.replace(self.sampling, stop_every=self._abort_every)
         return self.sampling
 
     def _generate(self, groups: list[Group]) -> None:
@@ -364,6 +375,9 @@ class Scheduler:
         self.trainer_version = step
         self.admission.retire(step)
         kept = self._kept(step)
+        if self.settings.abort_every == "auto" and kept:
+            lengths = [len(sample.response_ids) for group in kept for sample in group.samples]
+            self._next_abort_every = abort_point(lengths)
         finished = sorted(self._finished.pop(step, []), key=lambda group: group.group_id)
         reward_calls = [(group.reward_metrics, len(group.samples)) for group in finished]
         self._step_metrics[step] = {
@@ -403,6 +417,7 @@ class Scheduler:
         for lane in lanes:
             self.trace.end(lane, "sync")
         self.rollout_version, self._at_sync, self._interrupted = version, True, False
+        self._abort_every = self._next_abort_every
         metrics.update(self.on_version(version))
         self._resume_waiting()
         now = self.clock.now()
@@ -434,3 +449,12 @@ class Scheduler:
             self._annotated(*payload, result)
         else:
             self._trained(*payload, result)
+
+
+def abort_point(lengths: list[int]) -> int:
+    """partial_rollout "abort" with abort_every "auto": the 95th percentile (nearest rank) of
+    a step's response lengths. Only the longest responses reach it, so the others finish
+    under the version they started with, and the few that stop are the ones a sync would
+    otherwise wait for (docs/scale.md, "Abort points")."""
+    ordered = sorted(lengths)
+    return max(1, ordered[math.ceil(0.95 * len(ordered)) - 1])

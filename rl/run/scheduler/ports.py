@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rl.config import Config, PartialRollout
 from rl.types import Sample, SamplingParams
@@ -26,7 +26,9 @@ class Settings:
     group_size: int
     max_staleness: int
     partial_rollout: PartialRollout
-    abort_every: int  # partial_rollout "abort": tokens a later step's sample makes per version
+    # partial_rollout "abort": tokens a later step's sample makes per version, or "auto"
+    # (rl.run.scheduler.loop.abort_point of the step last synced).
+    abort_every: int | Literal["auto"]
     dynamic_sampling: bool
     max_groups_per_step: int  # groups started for one step, its redraws included
     # Colocated on-policy on GPUs: the rollout engines free their memory while training.

@@ -27,12 +27,14 @@ class Group:
 @dataclass
 class InFlight:
     """The scheduler at a sync, as a checkpoint records it (Scheduler.state_dict): the next
-    group id, admission's counts per step ahead, and every group no step has trained yet,
-    scored (`kept` set) or still to generate (fresh, or partial with its prefix)."""
+    group id, admission's counts per step ahead, every group no step has trained yet,
+    scored (`kept` set) or still to generate (fresh, or partial with its prefix), and the
+    abort point in force until the next sync."""
 
     next_group_id: int
     admission: dict[str, list[int]]
     groups: list[Group]
+    abort_every: int
 
 
 def step_metrics(

@@ -27,7 +27,7 @@ def _through_json(state: InFlight, env_class: type[Environment] | None = None) -
 
 def _state(sample: Sample, kept: bool | None = True) -> InFlight:
     group = Group(3, 5, {"prompt": "1+2", "answer": "3"}, [sample], [1.0], kept, {"reward/x": 0.5})
-    return InFlight(next_group_id=9, admission={"5": [4, 1, 0]}, groups=[group])
+    return InFlight(next_group_id=9, admission={"5": [4, 1, 0]}, groups=[group], abort_every=37)
 
 
 def test_a_scored_group_comes_back_with_every_token_logprob_and_version_exactly() -> None:
@@ -36,6 +36,7 @@ def test_a_scored_group_comes_back_with_every_token_logprob_and_version_exactly(
     sample.old_logprobs = [0.0, 0.0, 0.0]  # an annotation: computed again on resume
     back = _through_json(_state(sample))
     assert back.next_group_id == 9 and back.admission == {"5": [4, 1, 0]}
+    assert back.abort_every == 37
     (group,) = back.groups
     assert (group.group_id, group.step, group.scores, group.kept) == (3, 5, [1.0], True)
     assert group.reward_metrics == {"reward/x": 0.5} and not group.annotated
@@ -66,6 +67,8 @@ def test_a_partial_episode_comes_back_with_its_environment_state() -> None:
         lambda r: r["groups"][0].update(step="5"),
         lambda r: r["groups"][0]["samples"][0].update(__class__="os.system"),
         lambda r: r.update(next_group_id=None),
+        lambda r: r.update(abort_every=0),
+        lambda r: r.pop("abort_every"),
     ],
 )
 def test_a_tampered_record_is_refused_naming_where(tamper) -> None:

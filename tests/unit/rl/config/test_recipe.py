@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rl.config import Config
-from rl.config.recipe import ConfigError, check_inputs, load_config
+from rl.config.recipe import ConfigError, check_inputs, dry_run_report, load_config
 from rl.data.prompts import padding_id
 from tests.helpers.models import build_checkpoint, build_tiny_checkpoint, remove_pad_token
 from tests.helpers.repo import REPO, shipped_recipes
@@ -236,3 +236,12 @@ def test_a_lora_target_the_model_lacks_is_named_with_the_models_linear_modules(
         match=rf"'qkv_proj' is not a linear module of .*; its layers' linear modules are {linear}",
     ):
         check_inputs(cfg, "recipe.yaml")
+
+
+def test_the_run_summary_says_where_abort_points_are() -> None:
+    recipe = REPO / "recipes" / "grpo_addition_cpu.yaml"
+    overlap = ["scheduler.max_staleness=1", "scheduler.partial_rollout=abort"]
+    auto = dry_run_report(load_config(recipe, overlap), recipe)
+    fixed = dry_run_report(load_config(recipe, [*overlap, "scheduler.abort_every=4"]), recipe)
+    assert "partial_rollout=abort at the 95th percentile of the last synced step's" in auto
+    assert "partial_rollout=abort every 4 tokens" in fixed

@@ -16,6 +16,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from rl.checkpoint.in_flight import in_flight_from_json, in_flight_to_json
@@ -46,6 +47,7 @@ def _run(
     max_restarts: int = 3,
     in_flight: dict | None = None,
     num_steps: int = 5,
+    abort_every: int | str = 2,
 ):
     """A `num_steps`-step run; `seed` draws the timings and placements only. `in_flight`: resume at
     `start_version` from a state the run recorded (as JSON, as a checkpoint holds it)."""
@@ -56,7 +58,7 @@ def _run(
         group_size=2,
         max_staleness=k,
         partial_rollout=partial,
-        abort_every=2,
+        abort_every=abort_every,
         dynamic_sampling=dynamic,
         max_groups_per_step=6 if dynamic else 3,
         release_memory=release_memory,
@@ -228,6 +230,32 @@ def test_a_scheduler_resumed_at_any_sync_continues_exactly(k: int, partial: str)
         # The resumed run draws prompts from where the original stood at that sync.
         first_new = scheduler.states[step]["next_group_id"]
         assert resumed[0].drawn == [g for g in scheduler.drawn if g >= first_new]
+
+
+def test_auto_abort_points_are_the_last_synced_steps_95th_percentile_and_runs_replay() -> None:
+    aborted = 0
+    for k in (1, 2):
+        runs = [
+            _run(seed, k, "abort", dynamic=True, annotate=False, abort_every="auto")
+            for seed in (1, 2, 3)
+        ]
+        outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
+        assert outcomes[0] == outcomes[1] == outcomes[2]
+        scheduler, rollout, trainer, _ = runs[0]
+        for step, state in scheduler.states.items():
+            # The point in force after step `step`'s sync: numpy's nearest-rank percentile.
+            lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
+            expected = int(np.percentile(lengths, 95, method="inverted_cdf"))
+            assert state["abort_every"] == expected
+        aborted += sum(len(r[1].aborted_prefixes) for r in runs)
+        # A run resumed at a sync stops its samples where the original did.
+        resumed = _run(
+            seed=9, k=k, partial="abort", dynamic=True, annotate=False, abort_every="auto",
+            start_version=2, in_flight=scheduler.states[2],
+        )  # fmt: skip
+        original = _outcome(scheduler, trainer, runs[0][3], after=2)
+        assert _outcome(resumed[0], resumed[2], resumed[3])["trained"] == original["trained"]
+    assert aborted > 0, "no sample reached an auto abort point: the path went untested"
 
 
 def test_a_resumed_run_may_stop_before_the_steps_its_checkpoint_had_in_flight() -> None:
