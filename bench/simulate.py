@@ -264,6 +264,17 @@ def _staleness(result: Result) -> str:
     )
 
 
+def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines; a column whose name ends in ">" is right-aligned (numbers)."""
+    names = [name.removesuffix(">") for name in columns]
+    rules = ["---:" if name.endswith(">") else "---" for name in columns]
+    return [
+        f"| {' | '.join(names)} |",
+        f"|{'|'.join(rules)}|",
+        *(f"| {' | '.join(cells)} |" for cells in rows),
+    ]
+
+
 def _best_split(rows: list[tuple[Run, Result]]) -> tuple[Run, Result]:
     return max(
         (row for row in rows if row[0].placement.kind == "split"),
@@ -272,10 +283,12 @@ def _best_split(rows: list[tuple[Run, Result]]) -> tuple[Run, Result]:
 
 
 def gpu_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
-    lines = [
-        "| model, GPU | GPUs | colocate k=0 | colocate k=1 | best split k=1 (rollout:trainer) | best / colocate k=0 | idle: rollout, trainer, all GPUs (colocate k=1) |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+    columns = [
+        "model, GPU", "GPUs>", "colocate k=0>", "colocate k=1>",
+        "best split k=1 (rollout:trainer)>", "best / colocate k=0>",
+        "idle: rollout, trainer, all GPUs (colocate k=1)",
+    ]  # fmt: skip
+    table: list[list[str]] = []
     series: dict = {}
     for key in dict.fromkeys((run.cost.model.name, run.cost.gpu.name) for run, _ in rows):
         for gpus in sorted({run.gpus for run, _ in rows}):
@@ -292,39 +305,45 @@ def gpu_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
             )
             split_run, split = _best_split(cell)
             best = max(colo.steps_per_hour, split.steps_per_hour)
-            lines.append(
-                f"| {key[0]}, {key[1]} | {gpus} | {sync.steps_per_hour:.1f} | {colo.steps_per_hour:.1f} | "
-                f"{split.steps_per_hour:.1f} ({split_run.placement.rollout_gpus}:{split_run.placement.trainer_gpus}) | "
-                f"{best / sync.steps_per_hour:.2f}x | {colo.rollout_idle:.2f}, {colo.trainer_idle:.2f}, {colo.gpu_idle:.2f} |"
-            )
+            placement = split_run.placement
+            table.append([
+                f"{key[0]}, {key[1]}", str(gpus), f"{sync.steps_per_hour:.1f}",
+                f"{colo.steps_per_hour:.1f}",
+                f"{split.steps_per_hour:.1f} ({placement.rollout_gpus}:{placement.trainer_gpus})",
+                f"{best / sync.steps_per_hour:.2f}x",
+                f"{colo.rollout_idle:.2f}, {colo.trainer_idle:.2f}, {colo.gpu_idle:.2f}",
+            ])  # fmt: skip
             for name, value in (
                 ("colocate k=0", sync),
                 ("colocate k=1", colo),
                 ("best split k=1", split),
             ):
                 series.setdefault(key, {}).setdefault(name, []).append((gpus, value.steps_per_hour))
-    return "\n".join(lines), series
+    return "\n".join(_table(columns, table)), series
 
 
 def staleness_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
-    lines = [
-        "| placement | k | partial rollouts | steps/hour | idle: rollout, trainer, all GPUs | tokens by staleness 0 / 1 / ... | prefixes prefilled again | preemptions |",
-        "|---|---:|---|---:|---|---|---:|---:|",
-    ]
+    columns = [
+        "placement", "k>", "partial rollouts", "steps/hour>", "idle: rollout, trainer, all GPUs",
+        "tokens by staleness 0 / 1 / ...", "prefixes prefilled again>", "preemptions>",
+    ]  # fmt: skip
+    table: list[list[str]] = []
     series: dict = {}
     for run, res in rows:
         s = run.schedule
-        lines.append(
-            f"| {run.placement.label()} | {s.max_staleness} | {s.partial_rollout} | {res.steps_per_hour:.1f} | "
-            f"{res.rollout_idle:.2f}, {res.trainer_idle:.2f}, {res.gpu_idle:.2f} | {_staleness(res)} | "
-            f"{_pct(res.reprefilled_tokens, res.generated_tokens)} | {res.preemptions} |"
-        )
+        table.append([
+            run.placement.label(), str(s.max_staleness), s.partial_rollout,
+            f"{res.steps_per_hour:.1f}",
+            f"{res.rollout_idle:.2f}, {res.trainer_idle:.2f}, {res.gpu_idle:.2f}",
+            _staleness(res), _pct(res.reprefilled_tokens, res.generated_tokens),
+            str(res.preemptions),
+        ])  # fmt: skip
         modes = ("finish", "abort", "interrupt") if s.max_staleness == 0 else (s.partial_rollout,)
         for mode in modes:
             series.setdefault(run.placement.label(), {}).setdefault(mode, []).append(
                 (s.max_staleness, res.steps_per_hour)
             )
-    return "\n".join(lines), series
+    return "\n".join(_table(columns, table)), series
 
 
 def abort_report(
@@ -332,10 +351,8 @@ def abort_report(
 ) -> tuple[str, dict]:
     """Colocated, per k: finish, abort at a fixed point, abort at "auto", interrupt."""
     colocated = [row for row in [*staleness, *rows] if row[0].placement.kind == "colocate"]
-    lines = [
-        "| k | partial rollouts | steps/hour | prefixes prefilled again |",
-        "|---:|---|---:|---:|",
-    ]
+    columns = ["k>", "partial rollouts", "steps/hour>", "prefixes prefilled again>"]
+    table: list[list[str]] = []
     series: dict = {}
     order = ("finish", "abort every", "abort", "interrupt")  # auto is plain "abort"
     for k in (1, 2, 4):
@@ -344,12 +361,12 @@ def abort_report(
             label = run.schedule.label().split(" ", 1)[1]
             if label == "abort":
                 label = "abort, auto (95th percentile)"
-            lines.append(
-                f"| {k} | {label} | {res.steps_per_hour:.1f} | "
-                f"{_pct(res.reprefilled_tokens, res.generated_tokens)} |"
-            )
+            table.append([
+                str(k), label, f"{res.steps_per_hour:.1f}",
+                _pct(res.reprefilled_tokens, res.generated_tokens),
+            ])  # fmt: skip
             series.setdefault(f"k={k}", {})[label] = res.steps_per_hour
-    return "\n".join(lines), series
+    return "\n".join(_table(columns, table)), series
 
 
 def _mode_rank(run: Run, order: tuple[str, ...]) -> int:
@@ -358,21 +375,23 @@ def _mode_rank(run: Run, order: tuple[str, ...]) -> int:
 
 
 def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
-    lines = [
-        "| placement | schedule | dynamic sampling | steps/hour | groups generated a step (256 kept) | tokens dropped | idle: rollout, trainer |",
-        "|---|---|---|---:|---:|---:|---|",
-    ]
+    columns = [
+        "placement", "schedule", "dynamic sampling", "steps/hour>",
+        "groups generated a step (256 kept)>", "tokens dropped>", "idle: rollout, trainer",
+    ]  # fmt: skip
+    table: list[list[str]] = []
     series: dict = {}
     for run, res in rows:
         s = run.schedule
         generated = _mean_after_first(res, "rollout/generated_groups")
         on = f"up to {s.dynamic_sampling_rounds} draws" if s.dynamic_sampling_rounds else "off"
-        lines.append(
-            f"| {run.placement.label()} | {s.label()} | {on} | {res.steps_per_hour:.1f} | {generated:.0f} | "
-            f"{_pct(res.dropped_tokens, res.generated_tokens)} | {res.rollout_idle:.2f}, {res.trainer_idle:.2f} |"
-        )
+        table.append([
+            run.placement.label(), s.label(), on, f"{res.steps_per_hour:.1f}",
+            f"{generated:.0f}", _pct(res.dropped_tokens, res.generated_tokens),
+            f"{res.rollout_idle:.2f}, {res.trainer_idle:.2f}",
+        ])  # fmt: skip
         series.setdefault(f"{run.placement.label()}, {s.label()}", {})[on] = res.steps_per_hour
-    return "\n".join(lines), series
+    return "\n".join(_table(columns, table)), series
 
 
 def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
@@ -384,34 +403,33 @@ def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str
         "verl streaming: split 64:64 k=0": VERL_STREAM_STEP_S,
         "verl async: split 64:64 k=1 interrupt": VERL_ASYNC_STEP_S,
     }
-    lines = [
-        "| configuration | simulated step s | verl's step s | error | simulated speed-up over sync | verl's |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    steps = []
     for label, seconds in step_s.items():
         theirs = published.get(label)
         speedup = step_s["verl sync: colocate k=0"] / seconds
-        verl_speedup = VERL_SYNC_STEP_S / theirs if theirs else None
-        lines.append(
-            f"| {label} | {seconds:.0f} | {f'{theirs:.0f}' if theirs else '-'} | "
-            f"{f'{100 * (seconds / theirs - 1):+.0f}%' if theirs else '-'} | {speedup:.2f}x | "
-            f"{f'{verl_speedup:.2f}x' if verl_speedup else '-'} |"
-        )
+        steps.append([
+            label, f"{seconds:.0f}", f"{theirs:.0f}" if theirs else "-",
+            f"{100 * (seconds / theirs - 1):+.0f}%" if theirs else "-", f"{speedup:.2f}x",
+            f"{VERL_SYNC_STEP_S / theirs:.2f}x" if theirs else "-",
+        ])  # fmt: skip
+    columns = [
+        "configuration", "simulated step s>", "verl's step s>", "error>",
+        "simulated speed-up over sync>", "verl's>",
+    ]  # fmt: skip
+    lines = _table(columns, steps)
     phases = [
         ("generation", "perf/busy_s_generate", VERL_SYNC_GEN_S),
         ("old log-probs", "perf/busy_s_logprobs", VERL_SYNC_LOGPROB_S),
         ("update", "perf/busy_s_train", VERL_SYNC_UPDATE_S),
     ]
-    lines += [
-        "",
-        "The synchronous step's phases:",
-        "",
-        "| phase | simulated s | verl's s | error |",
-        "|---|---:|---:|---:|",
-    ]
+    phase_rows = []
     for name, key, theirs in phases:
         ours = _mean_after_first(sync, key)
-        lines.append(f"| {name} | {ours:.0f} | {theirs:.0f} | {100 * (ours / theirs - 1):+.0f}% |")
+        phase_rows.append(
+            [name, f"{ours:.0f}", f"{theirs:.0f}", f"{100 * (ours / theirs - 1):+.0f}%"]
+        )
+    lines += ["", "The synchronous step's phases:", ""]
+    lines += _table(["phase", "simulated s>", "verl's s>", "error>"], phase_rows)
     return "\n".join(lines), {
         label: (seconds, published.get(label)) for label, seconds in step_s.items()
     }
