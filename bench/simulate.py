@@ -438,35 +438,22 @@ def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str
 # -- plots ----------------------------------------------------------------------------------------
 
 
-def plot_gpus(series: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
-    for ax, ((model, gpu), lines) in zip(axes[0], series.items(), strict=True):
-        for name, points in lines.items():
-            ax.plot(*zip(*points, strict=True), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{model} on {gpu}")
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel("steps/hour (simulated)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_staleness(series: dict, path: Path) -> None:
+def plot_lines(
+    panels: dict[str, dict[str, list[tuple[float, float]]]], path: Path, xlabel: str, log_x: bool
+) -> None:
+    """One panel per title, one line per label, steps per hour up."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(
-        1, len(series), figsize=(5 * len(series), 3.6), squeeze=False, sharey=True
+        1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, sharey=not log_x
     )
-    for ax, (placement, lines) in zip(axes[0], series.items(), strict=True):
-        for mode, points in lines.items():
-            ax.plot(*zip(*points, strict=True), marker="o", label=f"partial rollouts: {mode}")
-        ax.set_title(f"Qwen2.5-7B, 128 H100, {placement}")
-        ax.set_xlabel("max staleness k")
+    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
+        for label, points in lines.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("steps/hour (simulated)")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -568,9 +555,16 @@ def main() -> None:
         write_section(f"simulate-{name}", text, DOC)
     write_section("simulate-footer", footer, DOC)
     if "gpus" in sections:
-        plot_gpus(gpu_series, DOC.parent / "scale_gpus.png")
+        panels = {f"{model} on {gpu}": lines for (model, gpu), lines in gpu_series.items()}
+        plot_lines(panels, DOC.parent / "scale_gpus.png", "GPUs", log_x=True)
     if "staleness" in sections:
-        plot_staleness(staleness_series, DOC.parent / "scale_staleness.png")
+        panels = {
+            f"Qwen2.5-7B, 128 H100, {placement}": {
+                f"partial rollouts: {mode}": points for mode, points in lines.items()
+            }
+            for placement, lines in staleness_series.items()
+        }
+        plot_lines(panels, DOC.parent / "scale_staleness.png", "max staleness k", log_x=False)
     if "abort" in sections:
         plot_bars(
             abort_series,
