@@ -418,6 +418,8 @@ class Scheduler:
             self.trace.end(lane, "sync")
         self.rollout_version, self._at_sync, self._interrupted = version, True, False
         self._abort_every = self._next_abort_every
+        if self.settings.partial_rollout == "abort":
+            metrics["rollout/abort_every"] = float(self._abort_every)
         metrics.update(self.on_version(version))
         self._resume_waiting()
         now = self.clock.now()

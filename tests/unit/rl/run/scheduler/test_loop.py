@@ -241,12 +241,13 @@ def test_auto_abort_points_are_the_last_synced_steps_95th_percentile_and_runs_re
         ]
         outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
         assert outcomes[0] == outcomes[1] == outcomes[2]
-        scheduler, rollout, trainer, _ = runs[0]
-        for step, state in scheduler.states.items():
+        scheduler, rollout, trainer, logged = runs[0]
+        for step, metrics in logged:
             # The point in force after step `step`'s sync: numpy's nearest-rank percentile.
             lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
             expected = int(np.percentile(lengths, 95, method="inverted_cdf"))
-            assert state["abort_every"] == expected
+            assert scheduler.states[step]["abort_every"] == expected
+            assert metrics["rollout/abort_every"] == expected
         aborted += sum(len(r[1].aborted_prefixes) for r in runs)
         # A run resumed at a sync stops its samples where the original did.
         resumed = _run(
