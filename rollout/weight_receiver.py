@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import tqdm
 
 from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from rl.sync.plan import WeightSyncPlan, plan_from_json
 from rl.sync.transport import Channel, ChannelSpec, open_channel
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+# vLLM imports this module in each worker process before it loads the weights, behind a tqdm
+# bar. tqdm's first bar makes a lock shared across processes, a named semaphore in
+# /dev/shm (sem.mp-*) that only the process's orderly exit unlinks, and a worker of an
+# engine Ray kills never gets that exit. A lock of this process does the bar's job.
+tqdm.tqdm.set_lock(threading.RLock())
 
 
 class WeightAssembler:

@@ -54,10 +54,13 @@ def mapped_segments(pid: int, shm_dir: Path = SHM_DIR) -> list[str]:
 
 def record_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Record the segments this engine's processes map (this process and its descendants);
-    returns their names."""
+    returns their names. An engine that maps none (no tensor parallelism) writes no record:
+    one killed would leave just the record behind."""
     owner = owner_tag(os.getpid())
     assert owner is not None  # this process is running
     names = mapped_segments(os.getpid(), shm_dir)
+    if not names:
+        return names
     path = _record_path(owner, shm_dir)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(names))

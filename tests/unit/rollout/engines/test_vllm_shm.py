@@ -37,6 +37,11 @@ def test_segments_this_process_maps_are_recorded_and_forgotten_on_shutdown() -> 
         segment.unlink()
 
 
+def test_an_engine_mapping_no_segments_writes_no_record(tmp_path: Path) -> None:
+    assert vllm_shm.record_segments(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_dead_engines_segments_are_removed_and_nothing_else(tmp_path: Path) -> None:
     cpushm = "vllm_dist_3de09d55064841d38e3d7228531afbd4-tp:0-[0-1]-cpushm_0"  # a TP group's all-reduce arena on CPU
     for name in ("psm_0a1b2c3d", "sem.mp-x1y2z3", cpushm, "psm_live0001", "model.safetensors"):
