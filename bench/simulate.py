@@ -70,6 +70,8 @@ def placements(gpus: int, tp: int) -> list[Placement]:
 
 
 def gpu_sweep(workload: Workload) -> list[Run]:
+    """6 steps: at k <= 1 the steady state repeats every step or two."""
+    workload = dataclasses.replace(workload, num_steps=6)
     runs = []
     for cost in (CostModel(H100, QWEN25_7B), CostModel(H200, QWEN25_32B)):
         for gpus in (8, 32, 128, 512):
@@ -197,7 +199,7 @@ def fit_median(target_gen_s: float = VERL_SYNC_GEN_S, groups: int = 512) -> int:
         result = simulate(VERL_COST, Placement.colocate(128), workload, Schedule(0))
         return _mean_after_first(result, "perf/busy_s_generate")
 
-    low, high = 64, 16_384
+    low, high = 256, 8192
     while high - low > max(low // 50, 1):
         middle = (low + high) // 2
         low, high = (middle, high) if gen_s(middle) < target_gen_s else (low, middle)
