@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rl.config import PartialRollout
-from rl.observe.trace import Trace
+from rl.observe.trace import Trace, covered_seconds
 from rl.run.scheduler.loop import Scheduler
 from rl.run.scheduler.ports import Settings
 from rl.types import Sample, SamplingParams, fresh_samples
@@ -305,11 +305,14 @@ def simulate(
     )
     span = window[1] - window[0]
     syncs = trainer.syncs
-    rollout_busy = [_covered([*engine.busy_until(end), *syncs], window) for engine in engines]
-    trainer_busy_s = _covered([*trainer.busy, *syncs], window)
+    rollout_busy = [
+        covered_seconds([*engine.busy_until(end), *syncs], *window) for engine in engines
+    ]
+    trainer_busy_s = covered_seconds([*trainer.busy, *syncs], *window)
     if placement.kind == "colocate":
         gpu_busy = sum(
-            _covered([*engine.busy_until(end), *trainer.busy, *syncs], window) for engine in engines
+            covered_seconds([*engine.busy_until(end), *trainer.busy, *syncs], *window)
+            for engine in engines
         ) / len(engines)
     else:
         rollout_share = num_engines * cost.model.tp / placement.gpus
@@ -328,15 +331,3 @@ def simulate(
         dropped_tokens=scorer.dropped_tokens if rounds else 0,
         preemptions=sum(e.stats.preemptions for e in engines),
     )
-
-
-def _covered(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
-    """Seconds of `window` that the union of `intervals` covers."""
-    start, end = window
-    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if b > start and a < end)
-    total, reach = 0.0, start
-    for a, b in clipped:
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total

@@ -254,6 +254,11 @@ def _lane_names(events: list[dict]) -> dict[int, str]:
     return dict(sorted(named.items()))
 
 
+def covered_seconds(intervals: Iterable[Interval], start: float, end: float) -> float:
+    """Seconds of [start, end] that the union of `intervals` covers."""
+    return _length(_union(_clip(intervals, start, end)))
+
+
 def _clip(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
     return [(max(a, start), min(b, end)) for a, b in intervals]
 
