@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from docs_section import write_section
+from sim import verl
 from sim.cluster import Placement, Result, Schedule, Workload, simulate
-from sim.costs import H20, H100, H200, QWEN25_7B, QWEN25_32B, CostModel
+from sim.costs import H100, H200, QWEN25_7B, QWEN25_32B, CostModel
 from sim.lengths import LogNormal, Replay, read_lengths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,6 @@ SPLITS = (0.5, 0.75)  # rollout shares tried for "split with the best ratio"
 class Run:
     sweep: str
     label: str  # its row
-    gpus: int
     cost: CostModel
     placement: Placement
     workload: Workload
@@ -45,7 +45,7 @@ class Run:
 
 def reasoning(length: Callable | None = None, num_steps: int = 8, groups: int = 256) -> Workload:
     """Long-tailed reasoning RL: 256 prompts x 16 responses a step, responses log-normal
-    around 2,000 tokens (sigma 1: one in 250 reaches the 28,672 cap)."""
+    around 2,000 tokens (sigma 1: about one in 260 reaches the 28,672 cap)."""
     cap = 28_672
     return Workload(
         num_steps=num_steps,
@@ -79,7 +79,6 @@ def gpu_sweep(workload: Workload) -> list[Run]:
                 Run(
                     "gpus",
                     "colocate k=0",
-                    gpus,
                     cost,
                     Placement.colocate(gpus),
                     workload,
@@ -88,7 +87,7 @@ def gpu_sweep(workload: Workload) -> list[Run]:
             )
             for placement in placements(gpus, cost.model.tp):
                 label = f"{placement.kind} k=1 interrupt"
-                runs.append(Run("gpus", label, gpus, cost, placement, workload, OVERLAP))
+                runs.append(Run("gpus", label, cost, placement, workload, OVERLAP))
     return runs
 
 
@@ -98,14 +97,12 @@ def staleness_sweep(workload: Workload) -> list[Run]:
     workload = dataclasses.replace(workload, num_steps=12)
     runs = []
     for placement in (Placement.colocate(gpus), Placement.split(gpus, gpus // 2)):
-        runs.append(
-            Run("staleness", placement.label(), gpus, cost, placement, workload, Schedule(0))
-        )
+        runs.append(Run("staleness", placement.label(), cost, placement, workload, Schedule(0)))
         for k in (1, 2, 4):
             for partial in ("finish", "abort", "interrupt"):
                 schedule = Schedule(k, partial)
                 runs.append(
-                    Run("staleness", placement.label(), gpus, cost, placement, workload, schedule)
+                    Run("staleness", placement.label(), cost, placement, workload, schedule)
                 )
     return runs
 
@@ -116,7 +113,7 @@ def abort_sweep(workload: Workload) -> list[Run]:
     cost, placement = CostModel(H100, QWEN25_7B), Placement.colocate(128)
     workload = dataclasses.replace(workload, num_steps=12)
     return [
-        Run("abort", "colocate", 128, cost, placement, workload, Schedule(k, "abort", 2048))
+        Run("abort", "colocate", cost, placement, workload, Schedule(k, "abort", 2048))
         for k in (1, 2, 4)
     ]
 
@@ -125,17 +122,19 @@ def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
     """At 85% accuracy, a group of 16 is all right 7% of the time: dropped and redrawn."""
     cost, gpus = CostModel(H100, QWEN25_7B), 128
     workload = dataclasses.replace(workload, accuracy=0.85)
-    runs = []
-    for placement in (Placement.colocate(gpus),):
-        for k in (0, 1):
-            for rounds in (0, 3):
-                schedule = Schedule(
-                    k, "interrupt" if k else "finish", dynamic_sampling_rounds=rounds
-                )
-                runs.append(
-                    Run("dynamic", placement.label(), gpus, cost, placement, workload, schedule)
-                )
-    return runs
+    placement = Placement.colocate(gpus)
+    return [
+        Run(
+            "dynamic",
+            placement.label(),
+            cost,
+            placement,
+            workload,
+            Schedule(k, "interrupt" if k else "finish", dynamic_sampling_rounds=rounds),
+        )  # fmt: skip
+        for k in (0, 1)
+        for rounds in (0, 3)
+    ]
 
 
 def run_all(runs: list[Run], workers: int = 2) -> list[Result]:
@@ -154,85 +153,15 @@ def run_all(runs: list[Run], workers: int = 2) -> list[Result]:
     return [by_index[i] for i in range(len(runs))]
 
 
-# -- calibration against verl's fully-async runs ----------------------------------------------
-
-# verl's recipe/fully_async_policy README, 128 H20 GPUs, Qwen2.5-Math-7B, DAPO, 512 prompts x
-# 16 responses a step, responses up to 28K tokens, rollout TP 4 (docs/scale.md, "Calibration").
-VERL_SYNC_STEP_S = 356.30  # colocated, synchronous
-VERL_SYNC_GEN_S, VERL_SYNC_LOGPROB_S, VERL_SYNC_UPDATE_S = 177.85, 53.92, 113.81
-VERL_STREAM_STEP_S = 231.34  # 64:64, staleness 0 (streaming only)
-VERL_ASYNC_STEP_S, VERL_ASYNC_UPDATE_S = 150.63, 113.16  # 64:64, staleness 0.5, partial rollout
-VERL_ASYNC_SPEEDUP = 2.35  # total time over 400 steps, as published
-VERL_COST = CostModel(H20, dataclasses.replace(QWEN25_7B, name="Qwen2.5-Math-7B", tp=4))
-
-
-def verl_workload(
-    median: int, num_steps: int, needs_annotation: bool, groups: int = 512
-) -> Workload:
-    """The run's shape; the prompts' length (256 tokens) and the responses' spread (sigma 1)
-    are not published and are assumed."""
-    cap = 28 * 1024
-    return Workload(
-        num_steps=num_steps,
-        groups_per_step=groups,
-        group_size=16,
-        prompt_tokens=256,
-        length=LogNormal(median=median, sigma=1.0, cap=cap),
-        max_tokens=cap,
-        needs_annotation=needs_annotation,
-        tokens_per_id=64,
-    )
-
-
-def _mean_after_first(result: Result, key: str) -> float:
-    values = [m[key] for m in result.steps[1:]] or [m[key] for m in result.steps]
-    return sum(values) / len(values)
-
-
-def fit_median(target_gen_s: float = VERL_SYNC_GEN_S, groups: int = 512) -> int:
-    """The one fitted number: the median response length at which the synchronous baseline
-    generates for as long as verl's did (their mean length is not published). Generation
-    time grows with the median, so a bisection over it, to 2%."""
-
-    def gen_s(median: int) -> float:
-        workload = verl_workload(median, num_steps=2, needs_annotation=True, groups=groups)
-        result = simulate(VERL_COST, Placement.colocate(128), workload, Schedule(0))
-        return _mean_after_first(result, "perf/busy_s_generate")
-
-    low, high = 256, 8192
-    while high - low > max(low // 50, 1):
-        middle = (low + high) // 2
-        low, high = (middle, high) if gen_s(middle) < target_gen_s else (low, middle)
-    return high
-
-
-def verl_trainer(median: int) -> dict[str, CostModel]:
-    """The cost model with verl's own trainer speeds: the MFUs at which the simulated trainer
-    takes as long as verl's did (colocated on 128 GPUs: update and old log-probs; split, on
-    64: update), so that what remains to compare is generation and scheduling."""
-    workload = verl_workload(median, num_steps=3, needs_annotation=True)
-    sync = simulate(VERL_COST, Placement.colocate(128), workload, Schedule(0))
-    mfu = VERL_COST.eff.train_mfu
-    update_128 = _mean_after_first(sync, "perf/busy_s_train")
-    logprob_128 = _mean_after_first(sync, "perf/busy_s_logprobs")
-    colocated = dataclasses.replace(
-        VERL_COST.eff,
-        train_mfu=mfu * update_128 / VERL_SYNC_UPDATE_S,
-        annotate_mfu=VERL_COST.eff.annotate_mfu * logprob_128 / VERL_SYNC_LOGPROB_S,
-    )
-    split = dataclasses.replace(VERL_COST.eff, train_mfu=mfu * 2 * update_128 / VERL_ASYNC_UPDATE_S)
-    return {
-        "colocate": dataclasses.replace(VERL_COST, eff=colocated),
-        "split": dataclasses.replace(VERL_COST, eff=split),
-    }
-
-
-def calibration_runs(median: int) -> list[Run]:
-    sync = verl_workload(median, num_steps=4, needs_annotation=True)
-    overlapped = verl_workload(median, num_steps=8, needs_annotation=False)
-    colocate, split = Placement.colocate(128), Placement.split(128, 64)
-    verl = [
-        ("verl sync: colocate k=0", colocate, sync, Schedule(0)),
+def calibration_runs(median: int, sync: Result) -> list[Run]:
+    """verl's three configurations with the cost model as it is, then again with verl's own
+    trainer speeds (taken from `sync`, the synchronous baseline at the fitted median) beside
+    Tandem's own configurations."""
+    baseline = verl.workload(median, num_steps=4, needs_annotation=True)
+    overlapped = verl.workload(median, num_steps=8, needs_annotation=False)
+    colocate, split = verl.SYNC_PLACEMENT, Placement.split(128, 64)
+    anchor = [
+        ("verl sync: colocate k=0", colocate, baseline, Schedule(0)),
         ("verl streaming: split 64:64 k=0", split, overlapped, Schedule(0)),
         ("verl async: split 64:64 k=1 interrupt", split, overlapped, OVERLAP),
     ]
@@ -241,12 +170,12 @@ def calibration_runs(median: int) -> list[Run]:
         ("Tandem: colocate k=2 interrupt", colocate, overlapped, Schedule(2, "interrupt")),
         ("Tandem: split 96:32 k=1 interrupt", Placement.split(128, 96), overlapped, OVERLAP),
     ]
-    fitted = verl_trainer(median)
+    fitted = verl.trainer_costs(sync)
     return [
-        *(Run("calibration", label, 128, VERL_COST, p, w, s) for label, p, w, s in verl),
+        *(Run("calibration", label, verl.COST, p, w, s) for label, p, w, s in anchor),
         *(
-            Run("calibration-trainer", label, 128, fitted[p.kind], p, w, s)
-            for label, p, w, s in verl + tandem
+            Run("calibration-trainer", label, fitted[p.kind], p, w, s)
+            for label, p, w, s in anchor + tandem
         ),
     ]
 
@@ -293,11 +222,11 @@ def gpu_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     table: list[list[str]] = []
     series: dict = {}
     for key in dict.fromkeys((run.cost.model.name, run.cost.gpu.name) for run, _ in rows):
-        for gpus in sorted({run.gpus for run, _ in rows}):
+        for gpus in sorted({run.placement.gpus for run, _ in rows}):
             cell = [
                 (run, res)
                 for run, res in rows
-                if (run.cost.model.name, run.cost.gpu.name) == key and run.gpus == gpus
+                if (run.cost.model.name, run.cost.gpu.name) == key and run.placement.gpus == gpus
             ]
             sync = next(res for run, res in cell if run.schedule.max_staleness == 0)
             colo = next(
@@ -385,7 +314,7 @@ def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     series: dict = {}
     for run, res in rows:
         s = run.schedule
-        generated = _mean_after_first(res, "rollout/generated_groups")
+        generated = res.mean_after_first("rollout/generated_groups")
         on = f"up to {s.dynamic_sampling_rounds} draws" if s.dynamic_sampling_rounds else "off"
         table.append([
             run.placement.label(), s.label(), on, f"{res.steps_per_hour:.1f}",
@@ -396,14 +325,14 @@ def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     return "\n".join(_table(columns, table)), series
 
 
-def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
+def calibration_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     """One table of step times per trainer model (rows: `calibration_runs`)."""
     sync = rows[0][1]
     step_s = {run.label: 3600 / res.steps_per_hour for run, res in rows}
     published = {
-        "verl sync: colocate k=0": VERL_SYNC_STEP_S,
-        "verl streaming: split 64:64 k=0": VERL_STREAM_STEP_S,
-        "verl async: split 64:64 k=1 interrupt": VERL_ASYNC_STEP_S,
+        "verl sync: colocate k=0": verl.SYNC_STEP_S,
+        "verl streaming: split 64:64 k=0": verl.STREAM_STEP_S,
+        "verl async: split 64:64 k=1 interrupt": verl.ASYNC_STEP_S,
     }
     steps = []
     for label, seconds in step_s.items():
@@ -412,7 +341,7 @@ def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str
         steps.append([
             label, f"{seconds:.0f}", f"{theirs:.0f}" if theirs else "-",
             f"{100 * (seconds / theirs - 1):+.0f}%" if theirs else "-", f"{speedup:.2f}x",
-            f"{VERL_SYNC_STEP_S / theirs:.2f}x" if theirs else "-",
+            f"{verl.SYNC_STEP_S / theirs:.2f}x" if theirs else "-",
         ])  # fmt: skip
     columns = [
         "configuration", "simulated step s>", "verl's step s>", "error>",
@@ -420,13 +349,13 @@ def calibration_report(median: int, rows: list[tuple[Run, Result]]) -> tuple[str
     ]  # fmt: skip
     lines = _table(columns, steps)
     phases = [
-        ("generation", "perf/busy_s_generate", VERL_SYNC_GEN_S),
-        ("old log-probs", "perf/busy_s_logprobs", VERL_SYNC_LOGPROB_S),
-        ("update", "perf/busy_s_train", VERL_SYNC_UPDATE_S),
+        ("generation", "perf/busy_s_generate", verl.SYNC_GEN_S),
+        ("old log-probs", "perf/busy_s_logprobs", verl.SYNC_LOGPROB_S),
+        ("update", "perf/busy_s_train", verl.SYNC_UPDATE_S),
     ]
     phase_rows = []
     for name, key, theirs in phases:
-        ours = _mean_after_first(sync, key)
+        ours = sync.mean_after_first(key)
         phase_rows.append(
             [name, f"{ours:.0f}", f"{theirs:.0f}", f"{100 * (ours / theirs - 1):+.0f}%"]
         )
@@ -516,9 +445,9 @@ def main() -> None:
         if None in wanted or name in wanted
         for run in sweep(workload)
     ]
-    median = fit_median() if args.only in (None, "calibration") else None
-    if median is not None:
-        runs += calibration_runs(median)
+    if args.only in (None, "calibration"):
+        median, sync = verl.fit_median()
+        runs += calibration_runs(median, sync)
     results = run_all(runs, args.workers)
     elapsed = time.perf_counter() - start
     by_sweep: dict[str, list] = {}
@@ -537,11 +466,9 @@ def main() -> None:
         sections["calibration-median"] = (
             f"Fitted median response length: **{median} tokens** (sigma 1, cap 28,672)."
         )
-        sections["calibration"], calibration_series = calibration_report(
-            median, by_sweep["calibration"]
-        )
+        sections["calibration"], calibration_series = calibration_report(by_sweep["calibration"])
         sections["calibration-trainer"], trainer_series = calibration_report(
-            median, by_sweep["calibration-trainer"]
+            by_sweep["calibration-trainer"]
         )
     footer = f"{len(runs)} simulated runs in {elapsed:.0f} s on {args.workers} processes."
     for name, text in sections.items():

@@ -100,6 +100,11 @@ class Result:
     dropped_tokens: int  # generated for groups dynamic sampling dropped
     preemptions: int
 
+    def mean_after_first(self, key: str) -> float:
+        """A step metric's mean over the steps after the first (the only one, alone)."""
+        values = [m[key] for m in self.steps[1:]] or [m[key] for m in self.steps]
+        return sum(values) / len(values)
+
 
 @dataclass
 class SimTrainer:
@@ -112,7 +117,6 @@ class SimTrainer:
     tokens_per_id: int
     needs_annotation: bool
     keeps_pushed_weights: bool
-    time_sliced: bool
     speed: float = 1.0
     busy: list[tuple[float, float]] = field(default_factory=list)
     syncs: list[tuple[float, float]] = field(default_factory=list)
@@ -254,8 +258,7 @@ def simulate(
     rollout = SimRollout(engines, cost.engine_sleep_s() if time_sliced else 0.0)
     trainer = SimTrainer(
         clock, cost, placement, rollout, tpi, workload.needs_annotation,
-        keeps_pushed_weights=schedule.max_staleness >= 1, time_sliced=time_sliced,
-        on_busy=trainer_busy,
+        keeps_pushed_weights=schedule.max_staleness >= 1, on_busy=trainer_busy,
     )  # fmt: skip
     scorer = SimScorer(clock, workload.accuracy, tpi)
     rounds = schedule.dynamic_sampling_rounds

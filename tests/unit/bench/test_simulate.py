@@ -1,4 +1,4 @@
-"""bench/simulate.py: a small sweep of the real scheduler on simulated GPUs runs and is
+"""bench/simulate.py and bench/sim/verl.py: a small sweep of the real scheduler on simulated GPUs runs and is
 reported run by run; the calibration's one fitted number is recovered from the generation
 time it gives."""
 
@@ -9,9 +9,10 @@ import re
 
 import pytest
 
-from tests.unit.bench.bench_modules import load_bench_module
+from tests.unit.bench.bench_modules import bench_import, load_bench_module
 
 simulate = load_bench_module("simulate")
+verl = bench_import("sim.verl")
 
 
 def small(num_steps: int) -> object:
@@ -41,12 +42,12 @@ def test_a_staleness_sweep_reports_each_run_and_its_staleness_within_the_bound()
 
 def test_the_fitted_median_gives_back_the_generation_time_it_was_fitted_to() -> None:
     median = 1500
-    workload = simulate.verl_workload(median, num_steps=2, needs_annotation=True, groups=8)
-    result = simulate.simulate(
-        simulate.VERL_COST, simulate.Placement.colocate(128), workload, simulate.Schedule(0)
-    )
+    workload = verl.workload(median, num_steps=2, needs_annotation=True, groups=8)
+    result = simulate.simulate(verl.COST, verl.SYNC_PLACEMENT, workload, simulate.Schedule(0))
     generate_s = result.steps[1]["perf/busy_s_generate"]
-    assert simulate.fit_median(generate_s, groups=8) == pytest.approx(median, rel=0.03)
+    fitted, sync = verl.fit_median(generate_s, groups=8)
+    assert fitted == pytest.approx(median, rel=0.03)
+    assert sync.mean_after_first("perf/busy_s_generate") == pytest.approx(generate_s, rel=0.05)
 
 
 def test_split_placements_keep_the_engines_whole() -> None:

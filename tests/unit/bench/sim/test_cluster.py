@@ -72,7 +72,7 @@ def test_a_trainer_sharing_its_gpus_runs_at_half_speed_while_they_generate() -> 
     clock = clock_module.SimClock()
     trainer = cluster.SimTrainer(
         clock, COST, cluster.Placement.colocate(8), None, tokens_per_id=1,
-        needs_annotation=False, keeps_pushed_weights=True, time_sliced=False,
+        needs_annotation=False, keeps_pushed_weights=True,
     )  # fmt: skip
     sample = Sample([1] * 100, group_id=0, response_ids=[0] * 900, token_versions=[0] * 900)
     full = COST.train_s([1000], gpus=8)
