@@ -157,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports (torch, ray, vllm) only once the config is known to be good.
     if args.command == "build-base":
         from rl.base.build import build_base
+        from rl.sandbox import configure as configure_sandbox
 
+        configure_sandbox(cfg.sandbox)  # an agent's base runs its tools
         print(f"base checkpoint written to {build_base(cfg)}")
         return 0
     from rl.run.driver import RunAborted, train
+    from rl.sandbox import SandboxRefused
 
     if args.address:
         os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.reservation.init_ray joins
@@ -172,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RunAborted, RunInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except SandboxRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

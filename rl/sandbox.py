@@ -2,43 +2,61 @@
 (rl.rewards.pool), agents' tools (rl.agents.tool_pool) and users' environments
 (rl.agents.env_pool).
 
-A worker is `python -m MODULE FD`, a fresh interpreter rather than a fork of the driver (whose
-Ray and torch threads a fork would copy mid-lock, and whose main module multiprocessing would
-re-run), with a clean environment and an address-space limit, talking to the driver over the
-connection at FD. The driver's side is `start_worker` and `stop_workers`; the worker's side
-starts with `connect`. A worker never outlives the driver: it is killed when its
-`WorkerProcess` is garbage-collected or the driver exits, and it exits by itself when the
-driver dies without either.
+A worker is `python -m MODULE FD` started through rl.isolation's launcher, a fresh interpreter
+rather than a fork of the driver (whose Ray and torch threads a fork would copy mid-lock, and
+whose main module multiprocessing would re-run), with a clean environment, in its own session
+and, where the kernel allows, its own namespaces as an unprivileged user (rl.isolation says
+what it is cut off from). It talks to the driver over the connection at FD, in JSON only: the
+driver never unpickles what a process running user code sent. The driver's side is
+`start_worker` and `stop_workers`; the worker's side starts with `connect`. A worker never
+outlives the driver: it is killed, with every process it started, when its `WorkerProcess` is
+garbage-collected or the driver exits, and it exits by itself when the driver dies without
+either.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
-import resource
+import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import rl
+from rl.config import Config, SandboxConfig
+from rl.isolation import Isolation, Limits, Spec
+from rl.user_code import parse_file_ref
 
 STARTUP_TIMEOUT_S = 120.0  # a worker imports its user code's modules (sympy for `math`) at start
 CAUSE_CHARS = 500  # error messages are cut: they travel through a pipe and into logs
 _REPO_ROOT = str(Path(rl.__file__).resolve().parent.parent)
 # What a worker inherits of the driver's environment unless the caller adds more: the
 # interpreter and libraries still work, and the driver's credentials (tokens, keys) stay out.
-BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
+# HOME tells the launcher which directory to hide; the worker gets a private one in its place.
+BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+class SandboxRefused(RuntimeError):
+    """`sandbox.require` is set and the kernel did not give a worker full isolation."""
+
+
+# This process's sandbox policy: the run's `sandbox` section, which the driver and each
+# rollout worker set at start (`configure`); the section's defaults elsewhere.
+_policy = SandboxConfig()
+
+
+def configure(cfg: SandboxConfig) -> None:
+    """Start this process's sandboxed workers under `cfg` from now on."""
+    global _policy
+    _policy = cfg
 
 
 def clean_env(inherit: Sequence[str], python_path: Sequence[str] = ()) -> dict[str, str]:
@@ -50,59 +68,129 @@ def clean_env(inherit: Sequence[str], python_path: Sequence[str] = ()) -> dict[s
     return env
 
 
-def limit_memory(memory_mb: int) -> None:
-    """Cap this process's address space at `memory_mb` MiB (0: no cap). Run in the child before
-    it execs Python, so that the limit covers everything it does."""
-    if memory_mb > 0:
-        limit = memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
 @dataclass
 class WorkerProcess:
-    """A started worker: its process and the driver's end of its connection."""
+    """A started worker: its launcher's process, the driver's end of its connection, and the
+    isolation it got."""
 
     process: subprocess.Popen
     conn: Connection
     started_at: float
+    isolation: Isolation
     _kill: weakref.finalize  # kills the process now, or at the driver's exit at the latest
 
-    def kill(self) -> int:
-        """Kill it now (it may be busy), reap it and close the connection; its exit code."""
+    def kill(self, grace_s: float = 0.0) -> int:
+        """Kill it (it may be busy) with every process it started, unless it exits within
+        `grace_s`; reap it and close the connection; its exit code."""
+        try:
+            self.process.wait(timeout=grace_s)  # (a worker that closed its connection exits)
+        except subprocess.TimeoutExpired:
+            pass
         self._kill()  # also drops its exit hook; a second call does nothing
         code = self.process.wait()
         self.conn.close()
         return code
 
 
+def _end(pid: int, scratch: list[str]) -> None:
+    """Kill a worker's session (the launcher leads it; in a pid namespace the worker's
+    processes die with the worker) while its launcher runs, and remove its private directory,
+    if it has one. Not once the launcher is reaped: its number may be another process's."""
+    try:
+        running = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped
+        running = False
+    if running:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for path in scratch:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def start_worker(
-    module: str, env: dict[str, str], memory_mb: int, log_file: str | None
+    module: str,
+    env: dict[str, str],
+    memory_mb: int,
+    log_file: str | None,
+    read_paths: Sequence[str] = (),
 ) -> WorkerProcess:
-    """Start `python -m module FD` with environment `env`, an address-space limit of
-    `memory_mb`, and its stdout and stderr appended to `log_file` (None: the driver's stderr),
-    never the driver's stdout."""
+    """Start `python -m module FD` in a sandbox (rl.isolation) under this process's policy
+    (`configure`) and an address-space limit of `memory_mb` MiB (0: none), with environment
+    `env`, the users' files `read_paths` readable, and its stdout and stderr appended to
+    `log_file` (None: the driver's stderr), never the driver's stdout. Returns once the
+    sandbox is up; SandboxRefused when `sandbox.require` is set and it is not fully isolated."""
     conn, child_conn = Pipe()
+    limits = Limits(memory_mb, _policy.tmp_mb, _policy.require)
+    spec = Spec(limits, tuple(read_paths))
     if log_file is None:
         output = sys.stderr
     else:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         output = open(log_file, "ab")  # the child keeps its own copy of the descriptor
+    fd = child_conn.fileno()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, str(child_conn.fileno())],
-            pass_fds=[child_conn.fileno()],
+            [sys.executable, "-m", "rl.isolation", spec.to_json(), module, str(fd)],
+            pass_fds=[fd],
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=output,
             env=env,
-            preexec_fn=partial(limit_memory, memory_mb),
+            start_new_session=True,  # its own process group: killed as one
         )
     finally:
         if output is not sys.stderr:
             output.close()
     child_conn.close()  # only the child holds its end now, so its death reads as EOF
-    kill = weakref.finalize(process, process.kill)
-    return WorkerProcess(process, conn, started_at=time.monotonic(), _kill=kill)
+    scratch: list[str] = []  # the launcher's private directory, once it says where
+    kill = weakref.finalize(process, _end, process.pid, scratch)
+    worker = WorkerProcess(process, conn, time.monotonic(), Isolation(), kill)
+    try:
+        if not conn.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"did not start within {STARTUP_TIMEOUT_S:g} s")
+        report = json.loads(conn.recv_bytes(1 << 16))
+        if "failed" in report:
+            raise RuntimeError(f"it could not be set up: {report['failed']}")
+        worker.isolation = Isolation.from_json(report["isolation"])
+        if report["scratch"] is not None:
+            scratch.append(str(report["scratch"]))
+    except (EOFError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        code = worker.kill()
+        raise RuntimeError(
+            f"the sandbox of a {module} worker failed to start (exit code {code}; its log: "
+            f"{log_file or 'stderr'}): {e}"
+        ) from None
+    if "refused" in report:
+        worker.kill()
+        raise SandboxRefused(str(report["refused"])[:CAUSE_CHARS])
+    return worker
+
+
+def probe() -> Isolation:
+    """The isolation this process's sandboxed workers get, from a worker started and stopped
+    at once; SandboxRefused when `sandbox.require` is set and it is not full."""
+    # (A module with no main; what the launcher has to say travels in its report.)
+    worker = start_worker("rl.sandbox", clean_env(()), 0, os.devnull)
+    worker.kill()
+    return worker.isolation
+
+
+def isolation_report(cfg: Config) -> str:
+    """What `rl train` prints at start and `--dry-run` prints: the isolation of the sandboxes
+    that run users' code (probed on this machine) and each pool's limits. Raises
+    SandboxRefused as `probe` does."""
+    pools = [f"reward functions ({cfg.reward.num_processes} workers, {cfg.reward.memory_mb} MiB)"]
+    if cfg.agent.enabled:
+        agent = cfg.agent
+        pools.append(f"tool calls ({agent.tool_workers} workers, {agent.tool_memory_mb} MiB)")
+        if parse_file_ref(agent.environment, "agent.environment") is not None:
+            pools.append(
+                f"the environment ({agent.env_workers} workers, {agent.env_memory_mb} MiB)"
+            )
+    return f"sandbox for {', '.join(pools)}: {probe().summary()}"
 
 
 def stop_workers(workers: Sequence[WorkerProcess], grace_s: float = 2.0) -> None:
@@ -123,59 +211,9 @@ def stop_workers(workers: Sequence[WorkerProcess], grace_s: float = 2.0) -> None
 
 
 def connect(fd: int) -> Connection:
-    """In a worker, first thing: the connection to the driver at `fd`. Ctrl-C is ignored (it
-    reaches the whole process group; the driver decides when workers stop), and the worker
-    exits when the driver dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    """In a worker, first thing: the connection to the driver at `fd`. (The launcher already
+    sees to it that the worker dies with the driver.)"""
     return Connection(fd)
-
-
-_orphan_cleanups: list[Callable[[], None]] = []
-
-
-def when_orphaned(cleanup: Callable[[], None]) -> None:
-    """In a worker: run `cleanup` before exiting because the driver died (files it would
-    have removed on a clean close)."""
-    _orphan_cleanups.append(cleanup)
-
-
-def _exit_with_parent(parent: int) -> None:
-    # A worker stuck in a user's loop never reads the EOF of a dead driver; this thread still
-    # runs (the interpreter switches threads), so the worker does not outlive the driver.
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    for cleanup in _orphan_cleanups:
-        try:
-            cleanup()
-        except Exception:  # exiting anyway: a failed cleanup must not keep the worker alive
-            pass
-    os._exit(1)
-
-
-def isolate_network() -> bool:
-    """Move this process (and what it starts later) into a new network namespace, which has
-    no interface but a down loopback: nothing it runs can reach any host. Needs root or
-    unprivileged user namespaces (then the process also gets a user namespace that maps its
-    own uid and gid); False where neither is allowed, or off Linux. Call it while the process
-    has one thread: the kernel refuses a user namespace to a threaded process."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWNET) == 0:
-        return True
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        return False
-    # Without these maps the process would be "nobody" inside its namespace.
-    for name, text in (
-        ("setgroups", "deny"),
-        ("uid_map", f"{uid} {uid} 1"),
-        ("gid_map", f"{gid} {gid} 1"),
-    ):
-        with open(f"/proc/self/{name}", "w") as f:
-            f.write(text)
-    return True
 
 
 def describe(e: BaseException) -> str:

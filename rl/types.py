@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from rl.agents.episode import Episode
     from rl.config import Config
 
 
@@ -71,6 +71,44 @@ class SamplingParams:
 
 
 @dataclass
+class Episode:
+    """What a multi-turn agent's sample carries besides its tokens (rl.agents.episode runs it).
+
+    `env` is the episode's environment, an `rl.agents.environment.Environment` (typed `Any`
+    here: the contracts sit below the agents package), with its state; it travels, pickled,
+    with the sample. `messages` and `tools` (function schemas) are the conversation as the chat
+    template renders it. `turn_start`: response tokens before the turn being generated (the
+    engine appends that turn's tokens after it). Counters feed the step's agent/* metrics.
+    """
+
+    env: Any
+    messages: list[dict[str, Any]]
+    tools: list[dict] | None
+    turn_start: int = 0
+    num_turns: int = 0
+    reward: float = 0.0  # the sum of the environment's step rewards
+    turns_with_calls: int = 0  # turns with at least one tool call ...
+    turns_well_formed: int = 0  # ... all of them well-formed, known and with valid arguments
+    num_calls: int = 0
+    num_runs: int = 0  # calls a tool worker ran
+    # Failed calls by kind (rl.agents.tool_calls' and rl.agents.tool_pool's error kinds).
+    errors: Counter = field(default_factory=Counter)
+    tool_seconds: float = 0.0
+    # (start, end) wall-clock times (time.time()) of the calls run since the driver last took
+    # them for its trace (rl.run.scheduler.loop).
+    tool_spans: list[tuple[float, float]] = field(default_factory=list)
+    max_turns_reached: bool = False
+    env_failures: int = 0  # steps of a user's environment that failed (rl.agents.env_pool)
+    env_timeouts: int = 0  # of those, the ones over agent.env_timeout_s
+    template_mismatches: int = 0  # observations the chat template could not append (ends it)
+
+    @property
+    def answer(self) -> str:
+        """The last assistant message: what the task's reward scores."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+
+@dataclass
 class Sample:
     """One response to one prompt, generated or being generated.
 
@@ -80,7 +118,7 @@ class Sample:
     is a partial sample (finish_reason "abort"); resumed, it keeps its prefix and its new
     tokens carry the newer version, so the off-policy correction stays exact per token.
 
-    A multi-turn agent's sample (`episode` set, rl.agents.episode) holds the whole
+    A multi-turn agent's sample (`episode` set: `Episode`) holds the whole
     trajectory: every token after the prompt, sampled or inserted by the environment
     (observations, template text), with `loss_mask` 1 on the sampled ones. Inserted tokens
     carry log-prob 0.0 and version NOT_SAMPLED; nothing trains on them. `loss_mask` None:

@@ -10,10 +10,16 @@ observation's, never decoded and re-encoded (rl.agents.trajectory).
 
 Episodes end at the environment's word (by default, the first turn without a tool call), at
 `agent.max_turns`, or when the response would pass `rollout.max_new_tokens` (finish_reason
-"length"). With `stop_every` (deterministic abort points, rl.run.scheduler.loop) a turn stops
-partial when the trajectory's length reaches a multiple of it; an interrupt (a weight sync
-under partial_rollout "interrupt") aborts the turns being generated and stops the episodes
-waiting for tools once their observation is in. Either way the episode comes back partial
+"length"). One that cannot go on ends there and the others go on: a user's environment that
+failed (rl.agents.episode), or a chat template that cannot append the observation to what
+the policy sampled (rl.agents.trajectory's TemplateMismatch: a turn ended on a special token
+the template does not write there, or a template that re-renders earlier turns), counted in
+agent/template_mismatches, the cause logged once per process.
+
+With `stop_every` (deterministic abort points, rl.run.scheduler.loop) a turn stops partial
+when the trajectory's length reaches a multiple of it; an interrupt (a weight sync under
+partial_rollout "interrupt") aborts the turns being generated and stops the episodes waiting
+for tools once their observation is in. Either way the episode comes back partial
 and resumes from there under the next policy version, on any worker, since a sample carries
 its episode.
 """
@@ -25,9 +31,9 @@ from functools import partial
 
 from transformers import PreTrainedTokenizerBase
 
-from rl.agents.episode import observe
+from rl.agents.episode import observe, warn_once
 from rl.agents.tool_pool import ToolPool, ToolResult
-from rl.agents.trajectory import add_observation, end_turn
+from rl.agents.trajectory import TemplateMismatch, add_observation, end_turn
 from rl.config import AgentConfig
 from rl.types import Sample, SamplingParams
 from rollout.engine_loop import FinishedBatches, GenerationLoop
@@ -106,10 +112,19 @@ class AgentLoop:
             if episode.num_turns >= self.cfg.max_turns:
                 episode.max_turns_reached = True
                 break
-            if (
-                add_observation(self.tokenizer, sample, step.messages, params.max_new_tokens - 1)
-                is None
-            ):
+            try:
+                added = add_observation(
+                    self.tokenizer, sample, step.messages, params.max_new_tokens - 1
+                )
+            except TemplateMismatch as e:  # this episode cannot go on; the others do
+                episode.template_mismatches += 1
+                warn_once(
+                    f"template {self.tokenizer.name_or_path}",
+                    f"an episode ended: {e} Later mismatches end their episodes too, counted "
+                    "in agent/template_mismatches, not logged",
+                )
+                break
+            if added is None:
                 sample.finish_reason = "length"  # no room left for the observation and a turn
                 break
             sample.finish_reason = ""

@@ -130,15 +130,16 @@ def adapter_names(version: int) -> dict[str, object]:
     }
 
 
-def peft_keys(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The trainer's adapter tensors (peft parameter names, adapter "default") under the keys
-    PEFT saves them with, which vLLM's LoRA loader reads."""
-    keys = {}
-    for name, tensor in named.items():
-        key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-        assert key != name, f"not an adapter tensor: {name}"
-        keys[key] = tensor
-    return keys
+def adapter_keys_model(hf_config: object, lora: dict) -> torch.nn.Module:
+    """The served model (`hf_config`) with `lora`'s adapters (peft's settings), on meta: what
+    peft's `get_peft_model_state_dict` reads to key the trainer's adapter tensors (peft's
+    parameter names) as PEFT's adapter file keys them, which vLLM's LoRA loader reads."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return get_peft_model(model, LoraConfig(**lora), low_cpu_mem_usage=True)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class _Channel:
     channel: Channel
     assembler: WeightAssembler
     lora: dict | None = None  # LoRA: the adapter's PEFT settings; only adapters travel
+    adapter_keys: torch.nn.Module | None = None  # LoRA: `adapter_keys_model`
     adapter: dict[str, torch.Tensor] | None = None  # LoRA: this update's tensors so far
     updating: bool = False  # between bucket 0 and finish
     base_rss: int = 0  # resident bytes when the current update began
@@ -196,6 +198,9 @@ class WeightReceiver:
             channel=open_channel(plan, channel_spec, member=first_member + tp_rank),
             assembler=WeightAssembler(*weight_layers(self.model_runner.model)),
             lora=lora,
+            adapter_keys=None
+            if lora is None
+            else adapter_keys_model(self.vllm_config.model_config.hf_config, lora),
             updating=previous is not None and previous.updating,
         )
 
@@ -277,6 +282,7 @@ class WeightReceiver:
         """Replace the served adapter by this update's, as vLLM's LoRA manager loads one from
         a PEFT directory (`WorkerLoRAManager._load_adapter`, `add_adapter`), from the tensors
         received instead of files."""
+        from peft import get_peft_model_state_dict
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -286,7 +292,7 @@ class WeightReceiver:
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        tensors = peft_keys(channel.adapter)
+        tensors = get_peft_model_state_dict(channel.adapter_keys, state_dict=channel.adapter)
         adapter = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_names(version)["lora_int_id"],
             tensors=tensors,
@@ -297,10 +303,13 @@ class WeightReceiver:
             weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        # from_lora_tensors drops what it cannot place; nothing may be served as zeros.
+        # peft keeps only its adapters, from_lora_tensors only what it can place: nothing
+        # received may be left out, to be served as zeros.
         loaded = 2 * len(adapter.loras)
-        if loaded != len(tensors):
-            raise ValueError(f"the adapter has {len(tensors)} tensors but vLLM placed {loaded}")
+        if loaded != len(channel.adapter):
+            raise ValueError(
+                f"the adapter has {len(channel.adapter)} tensors but vLLM placed {loaded}"
+            )
         runner.reset_lora_state()  # the previous version's adapter goes
         manager._adapter_manager.add_adapter(adapter)
         manager._adapter_manager.activate_adapter(adapter.id)

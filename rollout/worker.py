@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ray
 
-from rl.config import AgentConfig, LoraConfig, RolloutConfig
+from rl.config import AgentConfig, LoraConfig, RolloutConfig, SandboxConfig
 from rl.observe.actor_logs import redirect_output
+from rl.sandbox import configure as configure_sandbox
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.agent_loop import AgentLoop
@@ -37,7 +38,9 @@ class RolloutWorker:
         agent: AgentConfig | None = None,
         log_file: str | None = None,
         lora: LoraConfig | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
+        configure_sandbox(sandbox or SandboxConfig())  # for an agent's tools and environment
         self._args = (model_path, cfg, dtype, seed, lora)
         self._agent = agent if agent is not None and agent.enabled else None
         self._log_file = log_file

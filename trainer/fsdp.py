@@ -258,18 +258,20 @@ def load_sharded(
     adapters only, drawn from `seed` as `with_lora` draws them."""
     model = meta_causal_lm(cfg.path)
     layers = decoder_layers(model, f"model.path={cfg.path!r}")
-    # Dropout would make the recomputed log-probs differ from the old ones at ratio 1.
-    model.eval()
     model.requires_grad_(trainable)
     if trainable:
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
     lora = trainable and cfg.lora.enabled
     wrapper = LogProbModel(meta_lora(model, cfg.lora) if lora else model, trainer_cfg)
+    # Eval mode, the adapters peft just added included (new modules start in training mode):
+    # dropout would make a log-prob pass noisy and draw from the generator. A training
+    # forward turns the adapters' dropout on for itself alone (`adapter_dropout`).
+    wrapper.eval()
     # A frozen model runs under no_grad: it saves no activations to recompute.
     checkpointed = trainable and trainer_cfg.activation_checkpointing
     shard_with_fsdp(wrapper, layers, mesh, cfg.dtype, trainer_cfg, checkpointed)
     materialize(wrapper, model, cfg.path, storage_device(trainer_cfg, mesh), skip=LORA_ADAPTERS)
     if lora:
-        init_lora_adapters(model, seed)
+        init_lora_adapters(wrapper.model, cfg.path, cfg.lora, seed)
     return wrapper

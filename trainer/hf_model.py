@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rl.config import BaseBuildConfig
+from rl.config import BaseBuildConfig, LoraConfig
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|user|>", "<|assistant|>"]
 # User turn, then the assistant's answer ended by EOS; generation starts after <|assistant|>.
@@ -145,6 +145,26 @@ def save_hf_atomic(
 
 
 ADAPTER_DIR = "adapter"  # where an exported LoRA policy keeps its adapters alone
+
+
+def adapter_file_tensors(
+    model_dir: str | Path, cfg: LoraConfig, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A LoRA policy's adapters, `tensors` under its parameter names, keyed as PEFT's adapter
+    file keys them: peft's `get_peft_model_state_dict` over the model of `model_dir`'s config
+    with `cfg`'s adapters, built on meta (no weight is read). ValueError naming a tensor that
+    is not one of those adapters, or an adapter that `tensors` lacks."""
+    from peft import get_peft_model_state_dict
+
+    from trainer.rank_local_load import LORA_ADAPTERS, meta_causal_lm, meta_lora
+
+    model = meta_lora(meta_causal_lm(str(model_dir)), cfg)
+    adapters = {n for n, _ in model.named_parameters() if any(a in n for a in LORA_ADAPTERS)}
+    if extra := sorted(tensors.keys() - adapters):
+        raise ValueError(f"{extra[0]} is not a LoRA adapter of the model of {model_dir}")
+    if missing := sorted(adapters - tensors.keys()):
+        raise ValueError(f"the LoRA adapter {missing[0]} is missing")
+    return get_peft_model_state_dict(model, state_dict=tensors)
 
 
 def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], config: object) -> None:

@@ -8,13 +8,12 @@ memory at start-up is its shards plus one tensor's rows in the file's dtype, whe
 checkpoint with `from_pretrained` on every rank held the whole model on each.
 
 What the files do not hold is made as `from_pretrained` makes it: the rotary embedding's
-frequencies are computed on CPU from the config, and LoRA's first adapters are drawn from the
-run's seed in the order and shapes peft draws them.
+frequencies are computed on CPU from the config, and LoRA's first adapters are drawn by peft
+itself from the run's seed.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -156,24 +155,25 @@ def materialize(
 
 
 @torch.no_grad()
-def init_lora_adapters(model: nn.Module, seed: int) -> None:
-    """peft's first adapters, bit for bit as `get_peft_model` draws them on CPU after
-    `torch.manual_seed(seed)`: per adapted linear in module order, its A and B `nn.Linear`s
-    are constructed (two draws), then A is drawn again (kaiming uniform) and B set to zero.
-    Each rank copies out its rows of the full draws (they are small)."""
-    from peft.tuners.lora import LoraLayer
+def init_lora_adapters(model: nn.Module, path: str, cfg: LoraConfig, seed: int) -> None:
+    """The first adapters of `model` (`meta_lora` of checkpoint `path`'s model, sharded and
+    given storage), as `get_peft_model` draws them on CPU after `torch.manual_seed(seed)`:
+    peft itself draws them, over a copy of the model built on meta, and each rank copies out
+    its rows (the full adapters are small)."""
+    from peft import get_peft_model
 
+    twin = meta_causal_lm(path)
+    for module in twin.modules():
+        if isinstance(module, nn.Linear):
+            # peft puts an adapter where its base weight is: on CPU, here at no cost (one
+            # element, broadcast to the weight's shape).
+            stand_in = torch.empty((), dtype=module.weight.dtype).expand(module.weight.shape)
+            module.weight = nn.Parameter(stand_in, requires_grad=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for module in model.modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            for adapter, a_layer in module.lora_A.items():
-                assert not module.lora_bias[adapter], "LoraConfig never sets lora_bias"
-                rank = module.r[adapter]
-                a = nn.Linear(module.in_features, rank, bias=False).weight
-                nn.Linear(rank, module.out_features, bias=False)
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-                local, rows = _rows(a_layer.weight)
-                local.copy_(a if rows is None else a[rows[0] : rows[1]])
-                _rows(module.lora_B[adapter].weight)[0].zero_()
+        drawn = get_peft_model(twin, cfg.peft_config())
+    params = dict(model.named_parameters())
+    for name, adapter in drawn.named_parameters():
+        if any(part in name for part in LORA_ADAPTERS):
+            local, rows = _rows(params[name])
+            local.copy_(adapter if rows is None else adapter[rows[0] : rows[1]])

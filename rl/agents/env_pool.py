@@ -9,8 +9,10 @@ worker, as it carries a built-in environment, and the pool there starts at its f
 
 A request that raises, replies with what does not fit the interface, outlives
 `agent.env_timeout_s` or kills its worker is an `EnvFailure`; a worker that hung or died is
-replaced. An episode whose step fails ends there (rl.agents.episode counts it); a reset or a
-demonstration that fails stops the run with the environment named.
+replaced, and where that fails, the next request that would have used it starts one again
+(an `EnvFailure` too where that fails). An episode whose step fails ends there
+(rl.agents.episode counts it); a reset or a demonstration that fails stops the run with the
+environment named.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 
 from rl.agents.environment import Environment, EnvStep, Message
 from rl.config import AgentConfig
+from rl.isolation import Isolation
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 from rl.user_code import parse_file_ref
 
@@ -35,7 +38,8 @@ ROLES = ("system", "user", "assistant", "tool")
 class EnvFailure(RuntimeError):
     """A request to a user's environment failed. `kind`: "error" (the environment raised or
     replied with what does not fit the interface; its worker is fine), "timeout" or "crash"
-    (its worker hung or died, or sent what is not a reply, and was replaced)."""
+    (its worker hung or died, or sent what is not a reply, and was replaced), "unavailable"
+    (a worker that died could not be replaced, nor started again for this request)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -66,21 +70,23 @@ class EnvSettings:
 class EnvPool:
     """`settings.num_workers` workers serving requests for one environment class, one request
     per worker at a time; `request` is thread-safe and blocks until a worker is free. The
-    workers run with a clean environment, an address-space limit of `settings.memory_mb` MiB
-    and no network where the platform allows; their output goes to `log_file` (None: this
-    process's stderr). `tools` is the class's `tools`, as a worker read it."""
+    workers run in sandboxes (rl.sandbox; `isolation` says what they got) with a clean
+    environment and an address-space limit of `settings.memory_mb` MiB; their output goes to
+    `log_file` (None: this process's stderr). `tools` is the class's `tools`, as a worker read
+    it."""
 
     def __init__(self, settings: EnvSettings, log_file: str | None = None) -> None:
         self.settings = settings
         self._log_file = log_file
         self._env = clean_env(())
-        # Idle workers; None once one could not be replaced (requests then fail at once).
+        # Idle workers; None in place of one that could not be replaced (the request that
+        # takes it tries to start one again).
         self._idle: queue.SimpleQueue[WorkerProcess | None] = queue.SimpleQueue()
-        self._broken: BaseException | None = None
         self._workers: list[WorkerProcess] = []
         self._lock = threading.Lock()  # guards _workers and _closed
         self._closed = False
         self.tools: tuple[str, ...] = ()
+        self.isolation = Isolation()  # what the workers report as they start
         self._what = _what(settings)
         try:
             for _ in range(settings.num_workers):
@@ -91,15 +97,21 @@ class EnvPool:
 
     def request(self, request: dict, state: bytes | None) -> tuple[dict, bytes | None]:
         """Send `request` (JSON) and the environment's `state`; the reply and the new state.
-        EnvFailure when the environment raised, or its worker timed out or died."""
+        EnvFailure when the environment raised, its worker timed out or died, or no worker
+        could be started for it."""
         try:
             payload = json.dumps({**request, "has_state": state is not None}).encode()
         except (TypeError, ValueError) as e:  # a data example holding what JSON cannot
             raise ValueError(f"{self._what}: the request is not JSON: {e}") from None
         worker = self._idle.get()
-        if worker is None:  # a worker could not be replaced: the pool is out of service
-            self._idle.put(None)
-            raise RuntimeError(f"{self._what}: a worker could not be restarted") from self._broken
+        if worker is None:  # a worker that died could not be replaced: try again for this one
+            try:
+                worker = self._start()
+            except Exception as e:
+                self._idle.put(None)
+                raise EnvFailure(
+                    "unavailable", f"{self._what}: a worker could not be started again ({e})"
+                ) from e
         try:
             result = self._exchange(worker, payload, state)
         except (EOFError, OSError, ValueError) as e:
@@ -155,47 +167,60 @@ class EnvPool:
 
     def _start(self) -> WorkerProcess:
         """A new worker, once it has loaded the class (its `tools` recorded)."""
+        path = self.settings.ref.rpartition(":")[0]
         worker = start_worker(
-            "rl.agents.env_worker", self._env, self.settings.memory_mb, self._log_file
+            "rl.agents.env_worker", self._env, self.settings.memory_mb, self._log_file, [path]
         )
+        self.isolation = worker.isolation
         with self._lock:
             if self._closed:
                 worker.kill()
                 raise EnvFailure("closed", "the environment pool is closed")
             self._workers.append(worker)
-        worker.conn.send_bytes(json.dumps({"ref": self.settings.ref}).encode())
-        what = self._what
         try:
-            if not worker.conn.poll(STARTUP_TIMEOUT_S):
-                raise RuntimeError(
-                    f"{what}: its worker did not start within {STARTUP_TIMEOUT_S:g} s"
-                )
+            self.tools = self._load(worker)
+        except BaseException:
+            self._discard(worker)
+            raise
+        return worker
+
+    def _load(self, worker: WorkerProcess) -> tuple[str, ...]:
+        """Have `worker` load the class; its `tools`."""
+        what = self._what
+        worker.conn.send_bytes(json.dumps({"ref": self.settings.ref}).encode())
+        if not worker.conn.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"{what}: its worker did not start within {STARTUP_TIMEOUT_S:g} s")
+        try:
             ready = json.loads(worker.conn.recv_bytes(MAX_MESSAGE_BYTES))
-        except (EOFError, OSError) as e:
-            code = worker.kill()
+        except (EOFError, OSError, ValueError) as e:
             raise RuntimeError(
-                f"{what}: its worker exited while starting (exit code {code})"
-            ) from e
+                f"{what}: its worker died or sent junk while starting ({e!r})"
+            ) from None
+        if not isinstance(ready, dict):
+            raise RuntimeError(f"{what}: its worker sent {str(ready)[:200]!r} while starting")
         if "failed" in ready:
             raise ValueError(f"{what} cannot be loaded: {ready['failed']}")
         tools = ready.get("tools")
         if not (isinstance(tools, list) and all(isinstance(t, str) for t in tools)):
             raise RuntimeError(f"{what}: its worker sent malformed tools {tools!r}")
-        self.tools = tuple(tools)
-        return worker
+        return tuple(tools)
 
-    def _retire(self, worker: WorkerProcess) -> None:
-        """Kill `worker` and put a fresh one in its place (none once the pool is closed)."""
+    def _discard(self, worker: WorkerProcess) -> None:
         worker.kill()
         with self._lock:
             if worker in self._workers:
                 self._workers.remove(worker)
+
+    def _retire(self, worker: WorkerProcess) -> None:
+        """Kill `worker` and put a fresh one in its place (None, for the next request to try
+        again, when none starts; nothing once the pool is closed)."""
+        self._discard(worker)
+        with self._lock:
             if self._closed:
                 return
         try:
             self._idle.put(self._start())
-        except BaseException as e:
-            self._broken = e
+        except BaseException:
             self._idle.put(None)
 
 

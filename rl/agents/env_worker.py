@@ -2,8 +2,7 @@
 `rl.agents.env_pool.EnvPool`.
 
 It receives the environment's `path/to/file.py:ClassName` over the connection at FD, imports
-the class (the only place a user's environment code runs), leaves the network where the
-platform allows, says "ready" with the class's `tools`, then serves one request at a time
+the class (the only place a user's environment code runs), says "ready" with the class's `tools`, then serves one request at a time
 until the driver closes the connection. The driver sends and reads JSON only; an
 environment's state travels between requests as the bytes of the pickled object, which only a
 worker unpickles. So the driver never unpickles what user code produced, and an episode's
@@ -14,11 +13,10 @@ from __future__ import annotations
 
 import json
 import pickle
-import resource
 import sys
 
 from rl.agents.environment import Environment, EnvStep
-from rl.sandbox import connect, describe, isolate_network
+from rl.sandbox import connect, describe
 from rl.user_code import load_file_object, parse_file_ref
 
 
@@ -55,8 +53,6 @@ def _serve(cls: type[Environment], request: dict, state: bytes | None) -> tuple[
 
 def main(fd: int) -> None:
     """Serve the driver at connection `fd` until it closes it."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    network_isolated = isolate_network()  # first: connect() starts a thread
     conn = connect(fd)
     try:
         ref = json.loads(conn.recv_bytes())["ref"]
@@ -65,7 +61,7 @@ def main(fd: int) -> None:
         except Exception as e:
             conn.send_bytes(json.dumps({"failed": describe(e)}).encode())
             return
-        ready = {"ready": True, "tools": list(cls.tools), "network_isolated": network_isolated}
+        ready = {"ready": True, "tools": list(cls.tools)}
         conn.send_bytes(json.dumps(ready).encode())
         while True:
             request = json.loads(conn.recv_bytes())

@@ -17,7 +17,8 @@ An environment is a plain Python class (docs/agents.md has a complete example):
 
 Built-in environments are registered in `ENVIRONMENTS`; a user's is named
 `path/to/file.py:ClassName` and runs only in sandboxed workers (rl.agents.env_pool), so it must
-be picklable: its state travels, pickled, with the episode.
+be picklable: its state travels, pickled, with the episode. rl.agents.resolve finds the class
+an agent set-up names, either kind.
 
 An episode's reward is the task's reward of its last assistant message (the answer, scored by
 `reward.terms` like a single-turn response) plus the sum of `step`'s rewards.
@@ -29,7 +30,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rl.config import AgentConfig
 from rl.config.registry import NoTraits, Registry
 from rl.user_code import check_file_object, parse_file_ref
 
@@ -107,19 +107,3 @@ def check_environment(name: str) -> None:
             f"{what} is neither a built-in environment ({', '.join(ENVIRONMENTS.names())}) "
             "nor 'path/to/file.py:ClassName'"
         )
-
-
-def get_environment(cfg: AgentConfig) -> type[Environment]:
-    """The class of `cfg.environment`: a registered one (ValueError naming the valid ones), or
-    the stand-in for a user's `path/to/file.py:ClassName`, whose code runs only in sandboxed
-    workers (rl.agents.env_pool; this starts them)."""
-    if parse_file_ref(cfg.environment, f"agent.environment {cfg.environment!r}") is not None:
-        from rl.agents.env_pool import sandboxed_environment  # it imports this module
-
-        return sandboxed_environment(cfg)
-    return ENVIRONMENTS.get(cfg.environment)
-
-
-def agent_tools(cfg: AgentConfig) -> list[str]:
-    """The tools an agent set-up's episodes may call: its environment's, then `agent.tools`."""
-    return [*get_environment(cfg).tools, *cfg.tools]

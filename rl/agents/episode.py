@@ -1,13 +1,15 @@
-"""One multi-turn episode: its state (carried by its `rl.types.Sample` wherever the sample
-goes, so an episode interrupted by a weight sync resumes on any rollout worker), how a group
-of episodes starts, what happens between two turns, and the metrics of a step's episodes.
+"""One multi-turn episode: its state (`rl.types.Episode`, carried by its `rl.types.Sample`
+wherever the sample goes, so an episode interrupted by a weight sync resumes on any rollout
+worker), how a group of episodes starts, what happens between two turns, and the metrics of a step's episodes.
 
 Between turns (`observe`): the assistant's tool calls are parsed in the configured format
 and checked against the tools' schemas; each valid one runs in the sandboxed tool pool; each
 result, or the error the model must read (malformed call, unknown tool, bad arguments, a tool
 that failed, hung or flooded), becomes one "tool" message, cut to `max_tool_output_tokens`
 tokens and marked. The environment then decides the observation and whether the episode ends;
-a user's environment that fails to (rl.agents.env_pool.EnvFailure) ends the episode there.
+a user's environment that fails to (rl.agents.env_pool.EnvFailure) ends the episode there, as
+does a chat template that cannot append the observation (rl.agents.trajectory's
+TemplateMismatch, in rollout.agent_loop): counted, and the cause logged once per process.
 """
 
 from __future__ import annotations
@@ -17,54 +19,21 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from rl.agents.env_pool import EnvFailure
-from rl.agents.environment import Environment, EnvStep, Message
+from rl.agents.environment import Environment, EnvStep
 from rl.agents.tool_calls import ToolCall, error_observation, parse_tool_calls
 from rl.agents.tool_pool import ToolResult
-from rl.agents.trajectory import encode_messages
-from rl.types import Sample
+from rl.agents.trajectory import encode_messages, plain_ids
+from rl.types import Episode, Sample
 
 RunTool = Callable[[str, dict], Awaitable[ToolResult]]
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Episode:
-    """What an episode's sample carries besides its tokens.
-
-    `messages` and `tools` (function schemas) are the conversation as the chat template
-    renders it. `turn_start`: response tokens before the turn being generated (the engine
-    appends that turn's tokens after it). Counters feed the step's agent/* metrics.
-    """
-
-    env: Environment
-    messages: list[Message]
-    tools: list[dict] | None
-    turn_start: int = 0
-    num_turns: int = 0
-    reward: float = 0.0  # the sum of the environment's step rewards
-    turns_with_calls: int = 0  # turns with at least one tool call ...
-    turns_well_formed: int = 0  # ... all of them well-formed, known and with valid arguments
-    num_calls: int = 0
-    num_runs: int = 0  # calls a tool worker ran
-    # Failed calls by kind (rl.agents.tool_calls' and rl.agents.tool_pool's error kinds).
-    errors: Counter = field(default_factory=Counter)
-    tool_seconds: float = 0.0
-    # (start, end) wall-clock times (time.time()) of the calls run since the driver last took
-    # them for its trace (rl.run.scheduler.loop).
-    tool_spans: list[tuple[float, float]] = field(default_factory=list)
-    max_turns_reached: bool = False
-    env_failures: int = 0  # steps of a user's environment that failed (rl.agents.env_pool)
-
-    @property
-    def answer(self) -> str:
-        """The last assistant message: what the task's reward scores."""
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+_LOGGED: set[str] = set()  # the causes `warn_once` has logged in this process
 
 
 def start_group(
@@ -75,9 +44,13 @@ def start_group(
     n: int,
     group_id: int,
 ) -> list[Sample]:
-    """The `n` fresh samples of one group: each its own environment, reset from `example`."""
+    """The `n` fresh samples of one group: each its own environment, reset from `example`.
+    The resets run at once, each in its own thread: a user's environment resets in its
+    sandboxed workers (rl.agents.env_pool), up to `agent.env_workers` at a time, so a group
+    starts in about one reset's time rather than `n`. The samples keep their order."""
     envs = [env_class() for _ in range(n)]
-    starts = [env.reset(example) for env in envs]
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="env-reset") as threads:
+        starts = list(threads.map(lambda env: env.reset(example), envs))
     if any(messages != starts[0] for messages in starts):
         raise ValueError(
             f"{env_class.__name__}.reset gave different messages for one example; the samples "
@@ -137,19 +110,36 @@ async def observe(
         # this loop serves the other episodes.
         step = await asyncio.to_thread(episode.env.step, turn, messages)
     except EnvFailure as e:  # the episode ends here; the others go on
-        logger.warning("an episode ended because its environment failed: %s", e)
+        warn_once(
+            f"env {e.kind}",
+            f"an episode ended because its environment failed ({e.kind}): {e}. Later failures "
+            "of this kind end their episodes too, counted in agent/env_failures, not logged",
+        )
         episode.env_failures += 1
+        episode.env_timeouts += e.kind == "timeout"
         return EnvStep(done=True)
     episode.reward += step.reward
     return step
 
 
+def warn_once(key: str, message: str) -> None:
+    """Log `message` the first time a cause `key` comes up in this process: a cause that ends
+    episode after episode is counted in the step's metrics, and said once."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.warning(message)
+
+
 def _cut(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> str:
-    """`text` cut to its first `max_tokens` tokens, the cut marked."""
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    """`text` cut to its first `max_tokens` tokens, the cut marked. Tokens as the observation
+    encodes the text (rl.agents.trajectory): special tokens' text is plain text, kept in a
+    cut output as in a whole one."""
+    ids = plain_ids(tokenizer, text)
     if len(ids) <= max_tokens:
         return text
-    kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
+    kept = tokenizer.decode(
+        ids[:max_tokens], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return f"{kept}\n[truncated: {len(ids) - max_tokens} more tokens]"
 
 
@@ -176,6 +166,8 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/max_turns_reached": sum(e.max_turns_reached for e in episodes) / num,
         "agent/env_reward_mean": sum(e.reward for e in episodes) / num,
         "agent/env_failures": float(sum(e.env_failures for e in episodes)),
+        "agent/template_mismatches": float(sum(e.template_mismatches for e in episodes)),
+        "agent/env_timeouts": float(sum(e.env_timeouts for e in episodes)),
     }
     reporting = [s for s in samples if s.episode is not None and s.cached_prompt_tokens is not None]
     if reporting:  # vLLM: how much of each turn's history its prefix cache served

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -25,9 +23,11 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from typing import Literal
 
+from rl.agents.resolve import agent_tools
 from rl.agents.tool_worker import Settings
 from rl.agents.tools import check_arguments, check_schema, resolve_tool
 from rl.config import AgentConfig
+from rl.isolation import Isolation
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 
 ErrorKind = Literal["timeout", "crash", "memory", "error", "bad_arguments", "unknown_tool"]
@@ -66,11 +66,11 @@ class ToolPool:
     users' "path/to/file.py:function" or functions defined at the top level of importable
     modules.
 
-    Each call runs in a fresh process with a wall-clock limit of `timeout_s`, a CPU-time limit
-    of `cpu_s`, an address-space limit of `memory_mb` MiB (0: none), an empty working
-    directory removed afterwards, an environment with only `rl.sandbox.BASE_ENV` and
-    `inherit_env` of the driver's, no network where the platform allows it
-    (`network_isolated`), and its output cut to `max_output_chars`. The workers' own messages
+    Each call runs in a fresh process of a sandboxed worker (rl.sandbox; `isolation` says what
+    the sandbox got) with a wall-clock limit of `timeout_s`, a CPU-time limit of `cpu_s`, an
+    address-space limit of `memory_mb` MiB (0: none), an empty working directory removed
+    afterwards, an environment with only `rl.sandbox.BASE_ENV` and `inherit_env` of the
+    driver's, and its output cut to `max_output_chars`. The workers' own messages
     go to `log_file` (None: the driver's stderr). `schemas` are the tools' function schemas,
     for the chat template. Futures' callbacks run on the pool's thread: keep them short.
     """
@@ -102,12 +102,12 @@ class ToolPool:
             raise ValueError(f"tools named twice: {', '.join(twice)}")
         # name -> function schema; users' files' schemas arrive with the workers' "ready".
         self._schemas: dict[str, dict | None] = {spec.name: spec.schema for spec in specs}
-        self.network_isolated = False
+        self.isolation = Isolation()  # what the workers report as they start
         self._timeout_s = timeout_s
         self._memory_mb = memory_mb
         self._log_file = log_file
         self._env = clean_env(inherit_env, python_path=[spec.root for spec in specs])
-        self._root = tempfile.mkdtemp(prefix="tandem-tools-")
+        self._read_paths = [spec.spec.rpartition(":")[0] for spec in specs if not spec.root]
         settings = Settings(
             {spec.name: spec.spec for spec in specs},
             [spec.name for spec in specs if spec.schema is None],
@@ -115,7 +115,6 @@ class ToolPool:
             cpu_s,
             memory_mb,
             max_output_chars,
-            self._root,
         )
         self._settings = json.dumps(asdict(settings)).encode()
         # The longest message a worker sends: the output, every character JSON-escaped.
@@ -147,10 +146,8 @@ class ToolPool:
 
     @classmethod
     def for_agent(cls, cfg: AgentConfig, log_file: str | None = None) -> ToolPool:
-        """The pool of an agent set-up: its tools (rl.agents.environment.agent_tools) under
-        its `agent.tool_*` limits."""
-        from rl.agents.environment import agent_tools
-
+        """The pool of an agent set-up: its tools (rl.agents.resolve.agent_tools) under its
+        `agent.tool_*` limits."""
         return cls(
             agent_tools(cfg),
             num_workers=cfg.tool_workers,
@@ -189,8 +186,8 @@ class ToolPool:
         return future
 
     def close(self) -> None:
-        """Stop the workers (killing the calls in flight) and remove the calls' directories.
-        Calls not started are cancelled; those in flight end with a RuntimeError."""
+        """Stop the workers (killing the calls in flight, whose directories go with their
+        sandboxes). Calls not started are cancelled; those in flight end with a RuntimeError."""
         with self._lock:
             if self._wake_r < 0:
                 return  # closed before
@@ -208,7 +205,6 @@ class ToolPool:
         for call in in_flight:
             if not call.future.done():
                 call.future.set_exception(RuntimeError("the tool pool was closed during the call"))
-        shutil.rmtree(self._root, ignore_errors=True)
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._wake_r = self._wake_w = -1
@@ -243,7 +239,10 @@ class ToolPool:
                     call.future.set_exception(RuntimeError(f"the tool pool failed: {e}"))
 
     def _start(self) -> _Worker:
-        proc = start_worker("rl.agents.tool_worker", self._env, self._memory_mb, self._log_file)
+        proc = start_worker(
+            "rl.agents.tool_worker", self._env, self._memory_mb, self._log_file, self._read_paths
+        )
+        self.isolation = proc.isolation
         proc.conn.send_bytes(self._settings)
         return _Worker(proc)
 
@@ -311,7 +310,6 @@ class ToolPool:
             raise RuntimeError(f"a tool worker could not import the tools: {message['failed']}")
         if "ready" in message:
             w.ready = True
-            self.network_isolated = message["network_isolated"]
             for name, schema in message["schemas"].items():
                 if name in self._schemas and self._schemas[name] is None:
                     self._schemas[name] = check_schema(name, schema)
@@ -326,7 +324,7 @@ class ToolPool:
             call.future.set_result(result)
 
     def _on_death(self, w: _Worker) -> None:
-        code = w.proc.kill()  # it closed the connection; it may not have exited yet
+        code = w.proc.kill(grace_s=1.0)  # it closed the connection; it may not have exited yet
         if not w.ready:
             raise RuntimeError(f"a tool worker process exited while starting (exit code {code})")
         if w.call is not None:

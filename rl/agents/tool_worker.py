@@ -1,8 +1,7 @@
 """A tool worker process: `python -m rl.agents.tool_worker FD`, driven by `ToolPool`.
 
-It receives its settings over the connection at FD, imports the tools, leaves the network
-where the platform allows (rl.sandbox.isolate_network), says "ready", then runs one call at a
-time until the driver closes the connection. Every message is JSON, both ways: the driver
+It receives its settings over the connection at FD, imports the tools, says "ready", then
+runs one call at a time until the driver closes the connection. Every message is JSON, both ways: the driver
 never unpickles what a process running model-written code could have sent.
 
 Each call runs in a fork of the worker, in its own process group, working directory
@@ -30,9 +29,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
-from rl.sandbox import connect, describe, isolate_network, when_orphaned
+from rl.sandbox import connect, describe
 from rl.user_code import load_file_object, parse_file_ref
 
 _PR_SET_PDEATHSIG = 1
@@ -49,7 +47,6 @@ class Settings:
     cpu_s: float
     memory_mb: int
     max_output_chars: int
-    root: str  # the calls' working directories are made here
 
 
 def import_tool(spec: str) -> Callable:
@@ -144,10 +141,28 @@ def _kill_group(pid: int) -> None:
             pass
 
 
+def _end_the_rest() -> None:
+    """In a pid namespace of its own (rl.isolation), where this worker is pid 1: kill every
+    other process, such as one a call started in a session of its own, which its group's kill
+    missed, and reap them (orphans of the namespace are this worker's children)."""
+    if os.getpid() != 1:
+        return  # without a pid namespace, -1 would mean every process of this uid on the host
+    try:
+        os.kill(-1, signal.SIGKILL)  # every process of the namespace but its pid 1
+    except ProcessLookupError:
+        return  # none
+    while True:
+        try:
+            if os.waitpid(-1, 0)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
 def _run(fn: Callable, arguments: dict, s: Settings, conn_fd: int) -> dict:
     """Run one call in a fork; its {"output", "error"} message for the driver. EOFError when
     the driver closed the connection meanwhile (the call's processes are killed first)."""
-    workdir = tempfile.mkdtemp(prefix="call-", dir=s.root)
+    workdir = tempfile.mkdtemp(prefix="call-")  # in the sandbox's private TMPDIR
     out_r, out_w = os.pipe()
     res_r, res_w = os.pipe()
     worker = os.getpid()
@@ -218,6 +233,7 @@ def _collect(
                 break
         _kill_group(pid)
         _, status, usage = os.wait4(pid, 0)
+        _end_the_rest()
     finally:
         selector.close()
         for fd in (out_r, res_r, pidfd):
@@ -285,30 +301,23 @@ def _schemas(tools: dict[str, Callable], names: list[str]) -> dict[str, dict]:
 
 def main(fd: int) -> None:
     """Serve the driver at connection `fd` until it closes it."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing tool leaves no core file
-    network_isolated = isolate_network()  # first: connect() starts a thread
     conn = connect(fd)
-    s: Settings | None = None
     try:
         s = Settings(**json.loads(conn.recv_bytes()))
-        # The pool removes the calls' root when it closes; if its process dies first (a
-        # killed rollout worker), the pool's workers remove it as they go.
-        when_orphaned(partial(shutil.rmtree, s.root, ignore_errors=True))
         try:
             tools = {name: import_tool(spec) for name, spec in s.tools.items()}
             schemas = _schemas(tools, s.describe)
         except Exception as e:
             conn.send_bytes(json.dumps({"failed": describe(e)}).encode())
             return
-        ready = {"ready": True, "network_isolated": network_isolated, "schemas": schemas}
+        ready = {"ready": True, "schemas": schemas}
         conn.send_bytes(json.dumps(ready).encode())
         while True:
             call = json.loads(conn.recv_bytes())
             message = _run(tools[call["name"]], call["arguments"], s, fd)
             conn.send_bytes(json.dumps(message).encode())
     except (EOFError, BrokenPipeError):  # the pool closed, or its process died
-        if s is not None:
-            shutil.rmtree(s.root, ignore_errors=True)
+        return
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, ValidationError, best_match
+from referencing import Registry
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import (
     DocstringParsingException,
@@ -88,7 +91,9 @@ def resolve_tool(tool: str | Callable) -> ToolSpec:
 
 def check_schema(name: str, schema: object) -> dict:
     """`schema` if it has the shape `tool_schema` gives for a tool called `name` (it came
-    from a worker process, which ran a user's file); RuntimeError otherwise."""
+    from a worker process, which ran a user's file) and its parameters are a valid JSON
+    Schema (draft 2020-12) without `$ref`s, which transformers never writes and which could
+    point anywhere; RuntimeError otherwise."""
     function = schema.get("function") if isinstance(schema, dict) else None
     parameters = function.get("parameters") if isinstance(function, dict) else None
     if not (
@@ -99,9 +104,22 @@ def check_schema(name: str, schema: object) -> dict:
         and isinstance(parameters.get("properties"), dict)
         and all(isinstance(p, dict) for p in parameters["properties"].values())
         and isinstance(parameters.get("required", []), list)
+        and not _has_ref(parameters)
     ):
         raise RuntimeError(f"a tool worker sent a malformed schema for tool {name!r}")
+    try:
+        Draft202012Validator.check_schema(_with_null(parameters))
+    except SchemaError as e:
+        raise RuntimeError(
+            f"a tool worker sent a malformed schema for tool {name!r}: {e.message}"
+        ) from None
     return schema
+
+
+def _has_ref(schema: object) -> bool:
+    if isinstance(schema, dict):
+        return any(k in ("$ref", "$dynamicRef") or _has_ref(v) for k, v in schema.items())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
 
 
 def _import_root(module: object) -> str:
@@ -113,8 +131,11 @@ def _import_root(module: object) -> str:
 
 def check_arguments(schema: dict, arguments: object) -> str | None:
     """Why `arguments` do not fit the function schema `schema` (`tool_schema`'s form), or None
-    when they do: a JSON object with every required parameter, no other, and values of the
-    declared types (list items and enums included; objects' contents are not checked)."""
+    when they do: a JSON object with every required parameter and no other (a function takes
+    no other keyword, though the schema does not say so), valid under the parameters' JSON
+    Schema as the `jsonschema` library judges it (draft 2020-12; transformers' `nullable`
+    read as "or null"). The problem is worded for the model: the argument and the place in it,
+    then what was expected."""
     if not isinstance(arguments, dict):
         return f"the arguments must be a JSON object, not {_json_type(arguments)}"
     parameters = schema["function"]["parameters"]
@@ -126,32 +147,60 @@ def check_arguments(schema: dict, arguments: object) -> str | None:
     if unknown:
         expected = ", ".join(map(repr, properties)) or "none"
         return f"unexpected argument(s) {', '.join(map(repr, unknown))} (expected: {expected})"
-    for name, value in arguments.items():
-        problem = _check_value(properties[name], value)
-        if problem is not None:
-            return f"argument {name!r}: {problem}"
-    return None
+    # An empty registry: a `$ref` is never fetched (jsonschema's default would fetch a URL).
+    validator = Draft202012Validator(_with_null(parameters), registry=Registry())
+    error = best_match(validator.iter_errors(arguments))
+    if error is None:
+        return None
+    where = [
+        f"argument {key!r}" if i == 0 else f"item {key}" if isinstance(key, int) else f"key {key!r}"
+        for i, key in enumerate(error.absolute_path)
+    ]
+    return ": ".join([*where, _problem(error)])
 
 
-def _check_value(schema: dict, value: object) -> str | None:
-    if value is None and schema.get("nullable"):
-        return None
-    if "enum" in schema and value not in schema["enum"]:
-        return f"{value!r} is not one of {schema['enum']}"
-    types = schema.get("type")
-    if types is None:  # typing.Any
-        return None
-    types = [types] if isinstance(types, str) else types
-    if _json_type(value) not in types and not (
-        _json_type(value) == "integer" and "number" in types
-    ):
-        return f"expected {' or '.join(types)}, got {_json_type(value)}"
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            problem = _check_value(schema["items"], item)
-            if problem is not None:
-                return f"item {i}: {problem}"
-    return None
+def _problem(error: ValidationError) -> str:
+    """What is wrong with `error.instance`, with JSON's type names where a type is wrong."""
+    got = _json_type(error.instance)
+    if error.validator == "type":
+        types = error.validator_value
+        types = [types] if isinstance(types, str) else types
+        return f"expected {' or '.join(types)}, got {got}"
+    if error.validator in ("anyOf", "oneOf"):
+        types = [s.get("type") for s in error.validator_value if isinstance(s, dict)]
+        if all(isinstance(t, str) for t in types) and got not in types:
+            return f"expected {' or '.join(types)}, got {got}"
+    return error.message
+
+
+# Where a JSON Schema holds other schemas: one, a list of them, or a map of names to them.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "dependentSchemas")
+
+
+def _with_null(schema: object) -> object:
+    """`schema` with transformers' (OpenAPI's) `"nullable": true` written as JSON Schema says
+    it: "null" among the types and None among the `enum` values."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k != "nullable"}
+    for k in _SUBSCHEMA:
+        if k in out:
+            out[k] = _with_null(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_with_null(s) for s in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _with_null(s) for name, s in out[k].items()}
+    if schema.get("nullable") is True:
+        if "type" in out:
+            types = [out["type"]] if isinstance(out["type"], str) else list(out["type"])
+            out["type"] = [*types, "null"]
+        if isinstance(out.get("enum"), list):
+            out["enum"] = [*out["enum"], None]
+    return out
 
 
 _JSON_TYPES = (

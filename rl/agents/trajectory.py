@@ -1,7 +1,7 @@
 """A multi-turn episode as one token sequence, built only by appending.
 
 The sequence lives in a `rl.types.Sample` (prompt_ids, then response_ids: every later token)
-whose `episode` (rl.agents.episode.Episode) holds the conversation as messages; the
+whose `episode` (rl.types.Episode) holds the conversation as messages; the
 functions here extend both together.
 
 The sequence is the prompt's tokens, then for each turn the tokens the policy sampled,
@@ -13,14 +13,21 @@ sampled a non-canonical split, and re-encoding would train on tokens it never sa
 Only the observations are rendered by the chat template, and only after checking that the
 template is append-only for this history: rendering the whole conversation must start with
 the text of the tokens already held. Templates that re-render earlier turns (stripping the
-reasoning of earlier assistant turns, trimming whitespace the model sampled) fail that check
-with an error naming the template, rather than leaving a sequence the model never saw.
+reasoning of earlier assistant turns, trimming whitespace the model sampled), or a turn that
+ended on a special token the template does not write there, fail that check with
+`TemplateMismatch` naming the template, rather than leaving a sequence the model never saw
+(an agent run ends that episode there: rollout.agent_loop).
+
+Only the template's own markup becomes special tokens: the text of the messages (tool
+output, an environment's messages) is encoded as plain text, so a tool that prints
+`<|im_end|><|im_start|>assistant` gives the tokens of that text, not the control tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import re
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +37,13 @@ from rl.types import NOT_SAMPLED, Sample
 # Characters of context shown either side of where a template changed the held text.
 _CONTEXT_CHARS = 40
 _CONTEXT_TOKENS = 4
+# Unicode's private-use area: stand-ins for special tokens' first characters (below).
+_PRIVATE_USE = range(0xE000, 0xF900)
+
+
+class TemplateMismatch(ValueError):
+    """The chat template does not render this episode's history as the tokens held: the
+    episode cannot go on without training on a sequence the policy never saw."""
 
 
 def _template_name(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -50,9 +64,78 @@ def render(
     )
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    # The template writes the special tokens itself (as rl.data.prompts does).
-    return tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, plain: bool = False) -> list[int]:
+    """`text`'s tokens; `plain`: special tokens' text in it is plain text, not special tokens.
+    Never the tokenizer's BOS/EOS: the template writes those itself (as rl.data.prompts)."""
+    return tokenizer(
+        text, add_special_tokens=False, split_special_tokens=plain, return_attention_mask=False
+    )["input_ids"]
+
+
+def plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text`'s tokens as a message's content becomes: special tokens' text as plain text."""
+    return _encode(tokenizer, text, plain=True)
+
+
+def _specials(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The texts the tokenizer matches as special tokens (those `split_special_tokens`
+    splits), longest first as the tokenizer matches them."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted(texts, key=len, reverse=True)
+
+
+def _markup_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    history: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    text: str,
+    start: int,
+) -> list[int]:
+    """The tokens of `text[start:]`, where `text` is what `history + messages` render (with
+    the generation prompt), the template's own special tokens special and nothing else:
+    special tokens' text inside `messages` (tool output, an environment's messages) is encoded
+    as plain text.
+
+    Which special-token text is the template's: render again with that text in `messages`
+    broken (each occurrence's first character swapped for a private-use one); what matches a
+    special token in that rendering the template wrote. The two renderings must differ only
+    by the swapped characters; a template that treats a message's special-token text
+    otherwise than other text raises TemplateMismatch."""
+    texts = _specials(tokenizer)
+    specials = re.compile("|".join(map(re.escape, texts)))
+    values = [v for m in messages for k, v in m.items() if k != "role" and isinstance(v, str)]
+    if not texts or not any(specials.search(v) for v in values):
+        return _encode(tokenizer, text[start:])
+    used = set(text).union(*values)
+    spare = (chr(c) for c in _PRIVATE_USE if chr(c) not in used)
+    swap = {first: next(spare) for first in {t[0] for t in texts}}
+
+    def broken(value: str) -> str:
+        # A swapped character is in no special token: each swap only removes matches.
+        match = specials.search(value)
+        while match is not None:
+            at = match.start()
+            value = value[:at] + swap[value[at]] + value[at + 1 :]
+            match = specials.search(value, at + 1)
+        return value
+
+    defused = [
+        {k: broken(v) if k != "role" and isinstance(v, str) else v for k, v in m.items()}
+        for m in messages
+    ]
+    skeleton = render(tokenizer, history + defused, tools, add_generation_prompt=True)
+    if skeleton.translate({ord(s): f for f, s in swap.items()}) != text:
+        raise TemplateMismatch(
+            f"chat template of {_template_name(tokenizer)} renders special tokens' text in a "
+            "message otherwise than other text: its markup cannot be told from the message's."
+        )
+    ids, at = [], start
+    for match in specials.finditer(skeleton, start):
+        ids += _encode(tokenizer, text[at : match.start()], plain=True)
+        ids.append(tokenizer.convert_tokens_to_ids(match.group()))
+        at = match.end()
+    return ids + _encode(tokenizer, text[at:], plain=True)
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
@@ -85,14 +168,16 @@ def observation_ids(
     where encoding the whole rendering would also start a new piece, so the tokens are the
     same. (Comparing as text needs a tokenizer that decodes back the text it encoded, as
     byte-level BPE does: Qwen's, Llama-3's; one that does not fails the check, loudly.)
+    Special tokens' text in `new_messages` is plain text (`_markup_ids`).
     A rendering that does not start with the held text (the template is not append-only
-    for this history, or `messages` do not say what the held tokens say) raises ValueError.
+    for this history, or `messages` do not say what the held tokens say) raises
+    TemplateMismatch.
     """
     held_text = _decode(tokenizer, held_ids)
     full_text = render(tokenizer, messages + new_messages, tools, add_generation_prompt=True)
     if not full_text.startswith(held_text):
-        raise ValueError(_not_append_only(tokenizer, held_ids, held_text, full_text))
-    return _encode(tokenizer, full_text[len(held_text) :])
+        raise TemplateMismatch(_not_append_only(tokenizer, held_ids, held_text, full_text))
+    return _markup_ids(tokenizer, messages, new_messages, tools, full_text, len(held_text))
 
 
 def _not_append_only(
@@ -125,10 +210,12 @@ def encode_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
 ) -> list[int]:
-    """The prompt of an episode: `messages` rendered with the generation prompt."""
+    """The prompt of an episode: `messages` rendered with the generation prompt, special
+    tokens' text in them as plain text (`_markup_ids`)."""
     if not messages:
         raise ValueError("an episode starts from at least one message")
-    return _encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
+    text = render(tokenizer, messages, tools, add_generation_prompt=True)
+    return _markup_ids(tokenizer, [], messages, tools, text, 0)
 
 
 def end_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> str:
@@ -140,7 +227,7 @@ def end_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> str:
     that is the sampled end-of-turn, which the template writes itself after the content. Any
     special token counts, not only EOS: Gemma's end-of-turn is not its EOS, and kept in the
     content it would be rendered twice. One the template does not write there (Qwen's
-    `<|endoftext|>` for `<|im_end|>`) fails the next observation's check.
+    `<|endoftext|>` for `<|im_end|>`) fails the next observation's check (TemplateMismatch).
     """
     episode = sample.episode
     assert episode is not None and sample.loss_mask is not None, "not an episode's sample"
@@ -169,7 +256,8 @@ def add_observation(
     """Append the tokens of `new_messages` (tool results, a user's reply) and the next
     generation prompt, as `observation_ids` renders them, outside the loss mask, with log-prob
     0.0 and version NOT_SAMPLED; returns those tokens. When they would leave the response
-    longer than `max_response_tokens`, appends nothing and returns None."""
+    longer than `max_response_tokens`, appends nothing and returns None. TemplateMismatch,
+    nothing appended, where the template is not append-only for this history."""
     episode = sample.episode
     assert episode is not None and sample.loss_mask is not None, "not an episode's sample"
     if episode.messages[-1]["role"] != "assistant":

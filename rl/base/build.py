@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from rl.agents.env_pool import close_env_pools
-from rl.agents.environment import get_environment
+from rl.agents.resolve import get_environment
 from rl.agents.tool_pool import ToolPool
 from rl.agents.trajectory import render
 from rl.base.episodes import IGNORE, demonstration, demonstration_row, greedy_episode_accuracy

@@ -95,36 +95,27 @@ def export_model(checkpoint: Path, out_dir: Path) -> Path:
 def _export_adapters(
     cfg: Config, policy: Path, saved: dict[str, list[int]], files: Path, out_dir: Path
 ) -> Path:
-    """A LoRA checkpoint's adapters in PEFT's format with the base's tokenizer, read without
-    building the model (the base is not needed)."""
+    """A LoRA checkpoint's adapters in PEFT's format with the base's tokenizer, without the
+    base: peft keys them over its model built on meta from the config in `files`."""
     import torch
 
-    from trainer.hf_model import write_adapter, write_dir_atomic
+    from trainer.hf_model import adapter_file_tensors, write_adapter, write_dir_atomic
 
-    renamed = {name: _peft_file_name(name, policy) for name in saved}
     tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in saved.items()}
+    try:  # the same tensors, keyed by peft from the base's config (in files)
+        adapter = adapter_file_tensors(files, cfg.model.lora, tensors)
+    except ValueError as e:
+        raise CheckpointError(f"{policy / SHAPES}: {e}; the checkpoint is damaged") from None
     _read_shards({"model": tensors}, policy)
     config = cfg.model.lora.peft_config()
     config.base_model_name_or_path = str(Path(cfg.model.path).resolve())
     _, tokenizer = _config_and_tokenizer(files)
 
     def write(directory: Path) -> None:
-        write_adapter(directory, {renamed[k]: v for k, v in tensors.items()}, config)
+        write_adapter(directory, adapter, config)
         tokenizer.save_pretrained(directory)
 
     return write_dir_atomic(out_dir, write)
-
-
-def _peft_file_name(name: str, policy: Path) -> str:
-    """A LoRA checkpoint's tensor name as PEFT's adapter file holds it (without the adapter's
-    name, "default"); CheckpointError for a tensor that is no adapter."""
-    for part in (".lora_A.", ".lora_B."):
-        if f"{part}default." in name:
-            return name.replace(f"{part}default.", part)
-    raise CheckpointError(
-        f"{policy / SHAPES}: {name} is not a LoRA adapter tensor, but the run trained "
-        "adapters only; the checkpoint is damaged"
-    )
 
 
 def _run_config(driver_file: Path) -> Config:

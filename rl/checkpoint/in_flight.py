@@ -22,9 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rl.agents.environment import Environment
-from rl.agents.episode import Episode
 from rl.run.scheduler.prompt_groups import Group, InFlight
-from rl.types import Sample
+from rl.types import Episode, Sample
 
 
 class _Record(BaseModel):
@@ -46,6 +45,8 @@ class _EpisodeRecord(_Record):
     tool_seconds: float
     max_turns_reached: bool
     env_failures: int
+    env_timeouts: int
+    template_mismatches: int
 
 
 class _SampleRecord(_Record):

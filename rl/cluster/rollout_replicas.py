@@ -71,6 +71,7 @@ class RolloutReplicas:
             cfg.agent,
             log_file,
             cfg.model.lora,
+            cfg.sandbox,
         )
         if log_file is not None:
             worker.log_to.remote(log_file)  # runs before `ready`: calls run in order

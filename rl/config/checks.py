@@ -288,6 +288,27 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
             f"{path}: algorithm.kl_target adapts the KL reward penalty; it needs "
             "algorithm.kl_in_reward=true and an initial algorithm.kl_coef > 0"
         )
+    from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
+
+    k = cfg.scheduler.max_staleness
+    if (
+        k >= 1
+        and algo.recompute_old_logprobs
+        and not OFF_POLICY_CORRECTIONS.traits(algo.off_policy).needs_proximal
+    ):
+        # The recomputed proximal log-probs replace the behaviour ones as PPO's old policy, so
+        # no term would weigh a stale token by the policy that sampled it (docs/algorithms.md).
+        raise ConfigError(
+            f"{path}: algorithm.recompute_old_logprobs=true with "
+            f"algorithm.off_policy={algo.off_policy} at scheduler.max_staleness={k} trains "
+            "stale samples uncorrected: the recomputed proximal log-probs replace the "
+            "behaviour ones, so PPO's ratio starts at 1 and nothing weighs a token by the "
+            "policy that sampled it. Set algorithm.off_policy=decoupled (decoupled PPO, as "
+            "AReaL's recompute_logprob with use_decoupled_loss: the clip around the proximal "
+            "policy, each token weighed by exp(proximal - behaviour)) or another correction, "
+            "or algorithm.recompute_old_logprobs=false (PPO's ratio and clip against each "
+            "token's behaviour log-prob), or scheduler.max_staleness=0"
+        )
     if algo.max_sampling_rounds < 1:
         raise ConfigError(f"{path}: algorithm.max_sampling_rounds must be >= 1")
     if not 0 <= algo.overlong_buffer < cfg.rollout.max_new_tokens:

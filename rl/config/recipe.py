@@ -281,12 +281,18 @@ def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None
     """
     from rl.cluster.memory_plan import memory_report
     from rl.cluster.placement import plan_placement
+    from rl.sandbox import SandboxRefused, configure, isolation_report
 
     try:
         check_inputs(cfg, path)
         inputs = "inputs (model.path, data files): ok"
     except ConfigError as exc:
         inputs = f"inputs NOT READY HERE: {exc}"
+    configure(cfg.sandbox)
+    try:
+        sandbox = isolation_report(cfg)
+    except SandboxRefused as exc:  # reported, not fatal: the cluster's kernel may allow it
+        sandbox = f"sandbox REFUSED HERE: {exc}"
     return "\n".join(
         [
             f"{path}: config ok",
@@ -294,6 +300,7 @@ def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None
             plan_placement(cfg).describe(),
             _describe_overlap(cfg),
             _describe_agent(cfg),
+            sandbox,
             inputs,
             memory_report(cfg, device_memory_gb),
             "dry run: nothing started",
@@ -321,7 +328,7 @@ def _describe_agent(cfg: Config) -> str:
         f"agent: environment {environment}, tools {tools} "
         f"({agent.tool_call_format} calls) in {agent.tool_workers} sandboxed workers per rollout "
         f"worker (per call: {agent.tool_timeout_s:g} s wall clock, {agent.tool_cpu_s:g} s CPU, "
-        f"{agent.tool_memory_mb} MiB, no network where the platform allows); at most "
+        f"{agent.tool_memory_mb} MiB); at most "
         f"{agent.max_turns} turns and {cfg.rollout.max_new_tokens} tokens after the prompt per "
         f"episode, tool results cut at {agent.max_tool_output_tokens} tokens"
     )

@@ -550,7 +550,8 @@ class AlgorithmConfig(Section):
     recompute_old_logprobs: bool = Field(
         False,
         description="Recompute old log-probs with the trainer (the proximal policy of decoupled "
-        "PPO) instead of using the behaviour log-probs; always on with an off_policy correction.",
+        "PPO) instead of using the behaviour log-probs; always on with an off_policy correction, "
+        "and refused without one at scheduler.max_staleness >= 1 (stale samples uncorrected).",
     )
     dynamic_sampling: bool = Field(
         False,
@@ -616,10 +617,33 @@ class RewardConfig(Section):
     inherit_env: list[str] = Field(
         [],
         description="Environment variables reward workers inherit from the driver besides "
-        "PATH, HOME, the locale, TMPDIR and PYTHONPATH (credentials are not passed unless "
-        "listed here).",
+        "PATH, the locale and PYTHONPATH (HOME and TMPDIR are private; credentials are not "
+        "passed unless listed here).",
     )
     model_batch_size: int = Field(32, description="Reward model: sequences per forward.")
+    cap_truncated: bool = Field(
+        True,
+        description="A response or episode cut by rollout.max_new_tokens or agent.max_turns scores "
+        "at most the lowest finished one of its group (docs/agents.md, 'How episodes are scored').",
+    )
+
+
+class SandboxConfig(Section):
+    """The sandbox every process running users' code gets: reward functions, environments
+    and tools (rl.isolation, docs/agents.md "What a sandbox isolates")."""
+
+    require: bool = Field(
+        False,
+        description="Refuse to run users' code unless its workers are fully isolated "
+        "(own network, pid and mount namespaces, an unprivileged user, a private filesystem); "
+        "false = run with what the kernel allows and report what is missing.",
+    )
+    tmp_mb: int = Field(
+        256,
+        ge=1,
+        description="Size of a sandboxed worker's private, memory-backed HOME, /tmp, /var/tmp "
+        "and /dev/shm together, MiB; also the largest file it may write.",
+    )
 
 
 class Config(Section):
@@ -632,6 +656,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     faults: FaultsConfig = FaultsConfig()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from rl.config import RewardConfig
-from rl.data.tasks import Task
+from rl.data.tasks import Task, get_task
 from rl.rewards.verifiers import VERIFIERS
 from rl.user_code import check_file_object, load_file_object, parse_file_ref
 
@@ -98,6 +98,22 @@ class FunctionTerm:
             )  # statically: it is imported by workers
             return cls(name, "file", path=os.path.abspath(path), function=function)
         raise ValueError(f"reward term {name!r} is a reward model, not a function")
+
+    def to_json(self) -> dict:
+        """The term as JSON, for a reward worker (which never unpickles what crosses to it)."""
+        task = None if self.task is None else self.task.name
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "task": task,
+            "path": self.path,
+            "function": self.function,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> FunctionTerm:
+        task = None if data["task"] is None else get_task(data["task"])
+        return cls(data["name"], data["kind"], task, data["path"], data["function"])
 
     def load(self) -> RewardFn:
         """The callable `fn(response, example) -> float` this term names."""

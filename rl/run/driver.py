@@ -55,6 +55,8 @@ from rl.run.groups import GroupStarter
 from rl.run.preemption import StopRequest
 from rl.run.scheduler.loop import Scheduler, Settings
 from rl.run.scheduler.prompt_groups import InFlight
+from rl.sandbox import configure as configure_sandbox
+from rl.sandbox import isolation_report
 from rl.sync.weight_sync import WeightSync
 from rl.types import Sample, SamplingParams
 
@@ -70,6 +72,9 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     # Bad config or data rows stop the run here, before a base is built or Ray starts.
     limit = prompt_token_limit(cfg)
     examples = {split: load_examples(cfg.data, split) for split in ("train", "test")}
+    # So does a sandbox that `sandbox.require` refuses; the isolation users' code gets is shown.
+    configure_sandbox(cfg.sandbox)
+    print(isolation_report(cfg), flush=True)
     ensure_base(cfg)
     base_hashes = _base_hashes(cfg, resume_from)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -1,8 +1,9 @@
 """From generated samples to a training step, for the scheduler (rl.run.scheduler.loop).
 
-`StreamingScorer` scores one group at a time (with DAPO's overlong shaping) off the driver's
-thread; `TrainerSide` computes the model annotations a step needs (proximal and reference
-log-probs, values) once its groups are in, then builds the batch (advantages, KL penalty,
+`StreamingScorer` scores one group at a time (with DAPO's overlong shaping, and truncated
+samples capped by their group's finished ones) off the driver's thread; `TrainerSide`
+computes the model annotations a step needs (proximal and reference log-probs, values) once
+its groups are in, then builds the batch (advantages, KL penalty,
 off-policy weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
 read, and tested, in one place.
 """
@@ -29,6 +30,7 @@ from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
 from rl.config import AlgorithmConfig, Config
 from rl.observe.flops import peak_flops, train_flops
 from rl.rewards import RewardScorer
+from rl.rewards.truncation import cap_truncated, is_truncated
 from rl.run.batching import build_batch, per_sample
 from rl.sync.weight_sync import WeightSync
 from rl.types import Batch, Sample
@@ -64,7 +66,15 @@ class StreamingScorer:
         scores = scores + overlong_penalty(
             lengths, self.cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
         )
-        per_group = scores.split([len(group) for group, _ in groups])
+        per_group = list(scores.split([len(group) for group, _ in groups]))
+        if self.cfg.reward.cap_truncated:
+            capped = 0
+            for k, (group, _) in enumerate(groups):
+                truncated = torch.tensor([is_truncated(s) for s in group], dtype=torch.bool)
+                shaped = cap_truncated(per_group[k], truncated)
+                capped += int((shaped < per_group[k]).sum())
+                per_group[k] = shaped
+            metrics = {**metrics, "reward/truncated_capped": capped / max(len(samples), 1)}
         return [group.tolist() for group in per_group], metrics
 
     def close(self) -> None:

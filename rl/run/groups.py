@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from rl.agents.environment import agent_tools, get_environment
 from rl.agents.episode import start_group
+from rl.agents.resolve import agent_tools, get_environment
 from rl.agents.tool_pool import tool_schemas
 from rl.config import Config
 from rl.data.prompts import encode_prompt

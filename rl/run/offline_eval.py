@@ -145,7 +145,7 @@ class Evaluator:
         self.agent = agent if agent is not None and agent.enabled else None
         self._tools = None
         if self.agent is not None:  # the tools first: one that cannot load fails fast
-            from rl.agents.environment import get_environment
+            from rl.agents.resolve import get_environment
             from rl.agents.tool_pool import ToolPool
 
             self._env_class = get_environment(self.agent)

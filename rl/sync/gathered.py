@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# The module, not its names: importing shared_memory imports the transports, this one included.
 from rl.sync import shared_memory
 from rl.sync.pieces import bucket_tensors, buffer_device
 from rl.sync.plan import TensorSpec, WeightSyncPlan, owned_rows

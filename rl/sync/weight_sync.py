@@ -25,7 +25,8 @@ from rl.cluster.trainer_ranks import PolicyRanks
 from rl.config import Config
 from rl.sync import shared_memory
 from rl.sync.plan import WeightSyncPlan, plan_to_json, plan_weight_sync
-from rl.sync.transport import TRANSPORTS, ChannelSpec, SyncSite, choose_transport
+from rl.sync.selection import choose_transport
+from rl.sync.transport import TRANSPORTS, ChannelSpec, SyncSite
 
 _MB = float(1 << 20)
 

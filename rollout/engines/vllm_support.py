@@ -61,6 +61,13 @@ VLLM_INTERNALS = (
     "lora.peft_helper.PEFTHelper.from_dict",
     "lora.peft_helper.PEFTHelper.validate_legal",
     "lora.worker_manager.LRUCacheWorkerLoRAManager",
+    "lora.worker_manager.LRUCacheWorkerLoRAManager.lora_config",
+    "lora.worker_manager.LRUCacheWorkerLoRAManager.vocab_size",
+    "lora.worker_manager.LRUCacheWorkerLoRAManager._adapter_manager",
+    "lora.model_manager.LRUCacheLoRAModelManager.model",
+    "lora.model_manager.LRUCacheLoRAModelManager.add_adapter",
+    "lora.model_manager.LRUCacheLoRAModelManager.activate_adapter",
+    "v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.lora_manager",
     "v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.reset_lora_state",
     "v1.worker.worker_base.WorkerBase.vllm_config",
     # Its model runner: V1 on CPU (and on CUDA without Triton), V2 on CUDA.

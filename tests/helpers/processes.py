@@ -1,4 +1,4 @@
-"""This test process's own children, read from /proc: what a pool's workers left behind."""
+"""Processes read from /proc: what a pool's workers left behind."""
 
 from __future__ import annotations
 
@@ -16,5 +16,22 @@ def child_pids(cmdline_marker: bytes) -> set[int]:
         except (OSError, ValueError, IndexError):
             continue
         if ppid == os.getpid() and cmdline_marker in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+def marked_pids(marker: str) -> set[int]:
+    """Live processes named `marker` or whose command line holds it: the processes a test's
+    sandboxed code started (a sandbox sees them under other pids), found by the test's own
+    unique marker."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            comm = (entry / "comm").read_text().strip()
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and (comm == marker or marker.encode() in cmdline):
             pids.add(int(entry.name))
     return pids

@@ -1,42 +1,20 @@
 """Generated tasks: each makes prompts with reference answers and scores responses.
 
-A task is a class registered in `TASKS`; `get_task(name)` returns an instance. Examples are
-plain dicts {"prompt": str, "answer": str, ...task fields} so they round-trip through jsonl.
+A task is a class registered in `TASKS` (rl.data.tasks.task, with the `Task` interface) by its
+own module; importing this package imports them all, so `get_task(name)` finds every one and
+returns an instance. Examples are plain dicts {"prompt": str, "answer": str, ...task fields}
+so they round-trip through jsonl.
 """
 
 from __future__ import annotations
 
-import random
-from typing import ClassVar
+# Imported for their registration in TASKS.
+from rl.data.tasks import addition, countdown, math_answers  # noqa: F401
+from rl.data.tasks.task import TASKS, Task
 
-from rl.config import DataConfig
-from rl.config.registry import Registry
-
-TASKS: Registry = Registry("task")
-
-
-class Task:
-    """Interface of a task. Subclasses set `name` and `param_fields` and register themselves."""
-
-    name: ClassVar[str]
-    # DataConfig fields that change what `generate` produces (they key the cached splits).
-    param_fields: ClassVar[tuple[str, ...]] = ()
-    # True when examples come only from data.train_files/test_files (nothing to generate).
-    needs_files: ClassVar[bool] = False
-
-    def generate(self, cfg: DataConfig, num: int, rng: random.Random) -> list[dict]:
-        """`num` examples drawn with `rng` (duplicates possible; splits dedupe by prompt)."""
-        raise NotImplementedError
-
-    def score(self, response: str, example: dict) -> float:
-        """1.0 when `response` answers `example` correctly, else 0.0; never raises on junk."""
-        raise NotImplementedError
+__all__ = ["TASKS", "Task", "get_task"]
 
 
 def get_task(name: str) -> Task:
     """The task registered as `name`; ValueError listing the valid names otherwise."""
     return TASKS.get(name)()
-
-
-# Imported for their registration side effect; placed last because they subclass Task.
-from rl.data.tasks import addition, countdown, math_answers  # noqa: E402, F401

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from rl.config import DataConfig
-from rl.data.tasks import TASKS, Task
+from rl.data.tasks.task import TASKS, Task
 
 
 @TASKS.register("addition")

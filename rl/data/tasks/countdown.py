@@ -12,7 +12,7 @@ from collections import Counter
 from fractions import Fraction
 
 from rl.config import DataConfig
-from rl.data.tasks import TASKS, Task
+from rl.data.tasks.task import TASKS, Task
 
 MAX_NUMBER = 30  # given numbers are drawn from 1..MAX_NUMBER
 MAX_TARGET = 999  # targets above this are redrawn, keeping prompts short

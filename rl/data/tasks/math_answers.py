@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import random
 
+from math_verify import parse, verify
+
 from rl.config import DataConfig
-from rl.data.tasks import TASKS, Task
+from rl.data.tasks.task import TASKS, Task
 
 
 @TASKS.register("math")
@@ -25,7 +27,15 @@ class MathAnswers(Task):
         )
 
     def score(self, response: str, example: dict) -> float:
-        # Imported here: rl.rewards imports rl.data.tasks for its own task-backed verifiers.
-        from rl.rewards.verifiers import math_answer
+        """1.0 when the final answer in `response` equals `example["answer"]` mathematically.
 
-        return math_answer(response, example)
+        Both sides go through math-verify, so `\\boxed{1/2}` matches a gold `0.5` or
+        `\\frac{1}{2}`. A gold answer math-verify cannot read raises: a data bug must show up
+        as an error, not as a silent zero for every response.
+        """
+        answer = str(example["answer"])
+        # Bare gold answers ("x^2+1", "\sqrt{2}") parse only inside a math environment.
+        gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+        if not gold:
+            raise ValueError(f"math-verify could not parse the gold answer {answer!r}")
+        return 1.0 if verify(gold, parse(response)) else 0.0

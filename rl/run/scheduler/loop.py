@@ -28,6 +28,10 @@ follow from the configuration and the seed, never from which future finished fir
   samples stop, hence what is trained, depends on timing.
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
 admission's counts) is what a checkpoint records, so a resumed run continues exactly.
+What the scheduler does not decide can still depend on timing: a reward function, tool call
+or environment request that runs past its wall-clock timeout (`reward.timeout_s`,
+`agent.tool_timeout_s`, `agent.env_timeout_s`) fails where a faster run's would not; each step
+counts them (`reward/timeouts`, `agent/tool_errors_timeout`, `agent/env_timeouts`).
 
 A rollout worker lost mid-generation is replaced on the rollout's weights once the trainer is
 idle; its groups start again from what the driver holds: fresh samples (same seeds), partial

@@ -31,8 +31,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from rl.agents.env_pool import close_env_pools
-from rl.agents.environment import Environment, get_environment
+from rl.agents.environment import Environment
 from rl.agents.episode import start_group
+from rl.agents.resolve import get_environment
 from rl.agents.tool_pool import WORKER_GRACE_S, ToolPool
 from rl.agents.trajectory import observation_ids
 from rl.config import AgentConfig, BaseBuildConfig, RolloutConfig

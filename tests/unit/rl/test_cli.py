@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -326,3 +327,41 @@ def test_a_users_environment_is_read_not_imported_by_the_dry_run(tmp_path: Path)
     assert f"agent: environment {env_file}:Mine in 2 sandboxed workers per process" in result.stdout
     assert "tools the environment's (hermes calls)" in result.stdout
     assert not marker.exists()
+
+
+# As Docker's default profile leaves a root container: no CAP_SYS_ADMIN, so no namespaces.
+_WITHOUT_CAP_SYS_ADMIN = (
+    "import ctypes, os, sys\n"
+    "assert ctypes.CDLL(None).prctl(24, 21, 0, 0, 0) == 0  # PR_CAPBSET_DROP, CAP_SYS_ADMIN\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'rl.cli', *sys.argv[1:]])\n"
+)
+
+
+def test_the_dry_run_reports_the_sandbox_users_code_gets(dry_runs: dict[str, CliResult]) -> None:
+    assert (
+        "sandbox for reward functions (2 workers, 4096 MiB): fully isolated: network isolated, "
+        "user uid 65534, processes own pid namespace, filesystem read-only host, private HOME "
+        "and /tmp (256 MiB)"
+    ) in dry_runs[DEMO].stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability only root holds")
+def test_require_refuses_to_train_without_full_isolation_naming_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    def rl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", _WITHOUT_CAP_SYS_ADMIN, *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
+    dry = rl("train", DEMO, "--dry-run", "sandbox.require=true")
+    assert dry.returncode == 0, dry.stderr
+    assert "sandbox REFUSED HERE: sandbox.require is set and this sandbox is not" in dry.stdout
+    run = rl("train", DEMO, "sandbox.require=true", f"run.output_dir={tmp_path}")
+    assert run.returncode == 2, run.stderr
+    assert "error: sandbox.require is set" in run.stderr and "network NOT isolated" in run.stderr
+    assert "started a local Ray" not in run.stdout and not any(tmp_path.iterdir())

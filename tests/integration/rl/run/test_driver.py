@@ -179,7 +179,9 @@ def test_a_run_on_the_torch_engine_samples_what_its_trainer_scores(
             "share_prompts": True,
             "skip_zero_advantage_rows": True,
         },
-        algorithm={"recompute_old_logprobs": True},
+        # A recomputed proximal policy at k = 1 needs a correction against it (the recipe
+        # checks refuse none); decoupled PPO weighs each stale token by prox / behaviour.
+        algorithm={"recompute_old_logprobs": True, "off_policy": "decoupled"},
         scheduler={"placement": "split", "max_staleness": 1},
     )
     final, records = _run(cfg)

@@ -4,6 +4,8 @@ names theirs (`tests/unit/rl/agents/sample_envs.py:Countdown`)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from rl.agents.environment import Environment, EnvStep
@@ -27,6 +29,10 @@ class Countdown(Environment):
             raise KeyError("no such key")
         if turn == "hang":
             time.sleep(3600)
+        if turn.startswith("fork and hang "):  # the rest: a marker the test finds it by
+            code = f"import time; time.sleep(3600)  # {turn.rpartition(' ')[2]}"
+            subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+            time.sleep(3600)
         if turn == "die":
             os._exit(3)
         if turn == "junk":
@@ -40,6 +46,14 @@ class Countdown(Environment):
 
     def demonstration(self, example: dict) -> list[dict]:
         return [*self.reset(example), {"role": "assistant", "content": "1 2 3"}]
+
+
+class SlowReset(Countdown):
+    """A Countdown whose reset takes `example["reset_s"]` seconds."""
+
+    def reset(self, example: dict) -> list[dict]:
+        time.sleep(example["reset_s"])
+        return super().reset(example)
 
 
 class NotAnEnvironment:

@@ -6,6 +6,7 @@ import ctypes
 import os
 import socket
 import subprocess
+import sys
 import time
 
 
@@ -20,15 +21,17 @@ def nap(seconds: float) -> list:
     return [start, time.monotonic()]
 
 
-def hang(pid_file: str) -> None:
-    """Start a child process, write both pids to a file, then sleep forever.
+def hang(marker: str) -> None:
+    """Name this process `marker`, start a child process whose command line holds it, then
+    sleep forever. (The host sees the sandbox's processes under other pids: the test finds
+    them by the marker.)
 
     Args:
-        pid_file: Where to write the pids.
+        marker: A name of at most 15 characters.
     """
-    child = subprocess.Popen(["sleep", "1000"])
-    with open(pid_file, "w") as f:
-        f.write(f"{os.getpid()} {child.pid}")
+    with open("/proc/self/comm", "w") as f:
+        f.write(marker)
+    subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(1000)  # {marker}"])
     while True:
         time.sleep(1.0)
 
@@ -97,9 +100,28 @@ def scribble() -> list:
     return [os.getcwd(), before]
 
 
-def background() -> int:
-    """Start a process that would outlive the call; its pid."""
-    return subprocess.Popen(["sleep", "1000"]).pid
+def background(marker: str) -> None:
+    """Start a process that would outlive the call, in a session of its own, its command
+    line holding `marker`.
+
+    Args:
+        marker: What the test finds the process by.
+    """
+    code = f"import time; time.sleep(1000)  # {marker}"
+    subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def read(path: str) -> str:
+    """A file's text, or why it cannot be read.
+
+    Args:
+        path: The file; "~" is the tool's home.
+    """
+    try:
+        with open(os.path.expanduser(path)) as f:
+            return f.read()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror}"
 
 
 def network(port: int) -> dict:

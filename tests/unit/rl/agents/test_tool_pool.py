@@ -9,6 +9,7 @@ import resource
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 from rl.agents.builtin_tools import BUILTIN_TOOLS
 from rl.agents.tool_pool import ToolPool, ToolResult
-from tests.helpers.processes import child_pids
+from tests.helpers.processes import child_pids, marked_pids
 from tests.helpers.waiting import wait_until
 from tests.unit.rl.agents import sample_tools
 
@@ -61,6 +62,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture
+def pool_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ToolPool, Path]]:
+    """A pool started from a driver whose HOME holds credentials."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text("machine example.com login me password s3cret\n")
+    monkeypatch.setenv("HOME", str(home))
+    with ToolPool([sample_tools.read], num_workers=1) as pool:
+        yield pool, home
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[ToolPool]:
     os.environ[SECRET] = "s3cret"  # a credential in the driver's environment
@@ -82,17 +94,18 @@ def _call(pool: ToolPool, name: str, **arguments: object) -> ToolResult:
     return pool.submit(name, arguments).result(timeout=60)  # a hang guard, not a bound
 
 
-def test_a_tool_that_hangs_times_out_and_the_pool_serves_the_next_call(
-    pool: ToolPool, tmp_path: Path
-) -> None:
-    pid_file = tmp_path / "pids"
-    result = _call(pool, "hang", pid_file=str(pid_file))
+def _marker() -> str:
+    return f"hang-{uuid.uuid4().hex[:10]}"
+
+
+def test_a_tool_that_hangs_times_out_and_the_pool_serves_the_next_call(pool: ToolPool) -> None:
+    marker = _marker()
+    result = _call(pool, "hang", marker=marker)
     assert result.error == "timeout"
     assert result.output == f"Timeout: the tool did not finish within {TIMEOUT_S:g} s"
     assert TIMEOUT_S <= result.seconds < TIMEOUT_S + SLACK_S
     # The call's process and the process it started went with the call.
-    pids = [int(pid) for pid in pid_file.read_text().split()]
-    wait_until(lambda: not any(map(_alive, pids)), "the end of the call's processes")
+    wait_until(lambda: not marked_pids(marker), "the end of the call's processes")
     assert _call(pool, "python", code="6 * 7").output == "42"
 
 
@@ -177,12 +190,25 @@ def test_calls_get_a_clean_environment_and_a_fresh_working_directory(pool: ToolP
     second_dir, second_listing = json.loads(_call(pool, "scribble").output)
     assert first_listing == second_listing == []  # note.txt of the first call is gone
     assert first_dir != second_dir
-    assert not Path(first_dir).exists() and not Path(second_dir).exists()
 
 
 def test_what_a_call_started_does_not_outlive_it(pool: ToolPool) -> None:
-    pid = int(_call(pool, "background").output)
-    wait_until(lambda: not _alive(pid), "the end of the call's background process")
+    marker = _marker()
+    assert _call(pool, "background", marker=marker).error is None
+    # It left the call's process group: the sandbox's pid namespace still ends it.
+    wait_until(lambda: not marked_pids(marker), "the end of the call's background process")
+
+
+def test_a_tool_cannot_read_the_drivers_home_or_processes(
+    pool_home: tuple[ToolPool, Path],
+) -> None:
+    pool, home = pool_home
+    for path in ("~/.netrc", str(home / ".netrc")):
+        assert (
+            _call(pool, "read", path=path).output == "FileNotFoundError: No such file or directory"
+        )
+    driver = f"/proc/{os.getpid()}/environ"
+    assert _call(pool, "read", path=driver).output == "FileNotFoundError: No such file or directory"
 
 
 def test_many_calls_run_at_once(pool: ToolPool) -> None:
@@ -196,25 +222,12 @@ def test_many_calls_run_at_once(pool: ToolPool) -> None:
     assert 2 <= overlap <= 4  # concurrent, and no more than the 4 workers
 
 
-def test_the_network_is_cut_where_the_platform_allows(pool: ToolPool) -> None:
-    # The capability, probed apart from the pool: a new network namespace, directly (root)
-    # or inside a new user namespace (unprivileged user namespaces).
-    probe = (
-        "import ctypes; libc = ctypes.CDLL(None); "
-        "print(libc.unshare(0x40000000) == 0 or libc.unshare(0x50000000) == 0)"
-    )
-    capable = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert pool.network_isolated == (capable == "True")
+def test_the_network_is_cut(pool: ToolPool) -> None:
+    assert pool.isolation.network, pool.isolation.summary()
     with socket.create_server(("127.0.0.1", 0)) as server:
         seen = json.loads(_call(pool, "network", port=server.getsockname()[1]).output)
-    ours = os.readlink("/proc/self/ns/net")
-    if pool.network_isolated:
-        assert seen == {"namespace": seen["namespace"], "connected": False}
-        assert seen["namespace"] != ours
-    else:  # documented in docs/agents.md: not enforced here
-        assert seen == {"namespace": ours, "connected": True}
+    assert seen["connected"] is False
+    assert seen["namespace"] != os.readlink("/proc/self/ns/net")
 
 
 def test_the_python_tool_returns_output_and_the_last_value(pool: ToolPool) -> None:
@@ -225,62 +238,56 @@ def test_the_python_tool_returns_output_and_the_last_value(pool: ToolPool) -> No
     assert result.error == "error" and result.output.startswith("SyntaxError: ")
 
 
-def test_close_ends_the_calls_in_flight_and_leaves_no_process_or_directory(
-    tmp_path: Path,
-) -> None:
+def test_close_ends_the_calls_in_flight_and_leaves_no_process() -> None:
     others = _worker_pids()  # the module's pool's
     pool = ToolPool([sample_tools.hang, sample_tools.nap], num_workers=2, timeout_s=60)
     assert len(_worker_pids() - others) == 2
-    root = Path(pool._root)
-    pid_file = tmp_path / "pids"
-    in_flight = pool.submit("hang", {"pid_file": str(pid_file)})
-    wait_until(pid_file.exists, "the hanging call's start")
-    wait_until(lambda: len(pid_file.read_text().split()) == 2, "the pids written")
+    marker = _marker()
+    in_flight = pool.submit("hang", {"marker": marker})
+    wait_until(lambda: len(marked_pids(marker)) == 2, "the hanging call and its child")
     queued = [pool.submit("nap", {"seconds": 30}) for _ in range(3)]
     pool.close()
     assert _worker_pids() <= others
-    assert not root.exists()
     with pytest.raises(RuntimeError, match="closed during the call"):
         in_flight.result(timeout=0)
     assert sum(f.cancelled() for f in queued) >= 2  # one may have started on the idle worker
-    pids = [int(pid) for pid in pid_file.read_text().split()]
-    wait_until(lambda: not any(map(_alive, pids)), "the end of the call's processes")
+    wait_until(lambda: not marked_pids(marker), "the end of the call's processes")
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit("nap", {"seconds": 0})
 
 
 _OWNER = """
-import sys, time
+import os, time
 from rl.agents.tool_pool import ToolPool
 from tests.unit.rl.agents import sample_tools
 pool = ToolPool([sample_tools.hang, sample_tools.nap], num_workers=2, timeout_s=60)
-pool.submit("hang", {"pid_file": sys.argv[1]})
-print(pool._root, flush=True)
+pool.submit("hang", {"marker": os.environ["HANG_MARKER"]})  # not on its command line
+print("started", flush=True)
 time.sleep(600)
 """
 
 
-def test_a_pool_whose_process_is_killed_leaves_no_directory_or_worker(tmp_path: Path) -> None:
+def test_a_pool_whose_process_is_killed_leaves_no_worker() -> None:
     # A rollout worker killed by Ray never closes its pool: the workers, one busy in a call
-    # and one idle, remove the calls' root themselves and exit.
-    pid_file = tmp_path / "pids"
+    # and one idle, end with it, and so does what the call started.
+    marker = _marker()
     owner = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, str(pid_file)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _OWNER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HANG_MARKER": marker},
     )
     try:
-        root = Path(owner.stdout.readline().strip())
-        assert root.is_dir()
-        wait_until(lambda: pid_file.exists() and len(pid_file.read_text().split()) == 2, "call")
+        assert owner.stdout.readline().strip() == "started"
+        wait_until(lambda: len(marked_pids(marker)) == 2, "the hanging call and its child")
         workers = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(owner.pid)]).split()]
         assert len(workers) == 2
     finally:
         owner.kill()
         owner.wait()
         owner.stdout.close()
-    wait_until(lambda: not root.exists(), "the removal of the pool's directory")
     wait_until(lambda: not any(map(_alive, workers)), "the workers' exit")
-    pids = [int(pid) for pid in pid_file.read_text().split()]
-    wait_until(lambda: not any(map(_alive, pids)), "the end of the call's processes")
+    wait_until(lambda: not marked_pids(marker), "the end of the call's processes")
 
 
 def test_tools_that_cannot_be_served_are_refused_when_the_pool_starts() -> None:
@@ -301,7 +308,10 @@ def test_a_users_tool_file_is_imported_and_described_only_by_the_workers(tmp_pat
     tool_file = tmp_path / "kv_tools.py"
     tool_file.write_text(
         "import os\n"
-        f"open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "try:  # the sandbox's filesystem is read-only: only an import outside it writes\n"
+        f"    open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "except OSError:\n"
+        "    pass\n"
         "def lookup(key: str, default: int = 0) -> str:\n"
         '    """Read a key from the store.\n\n'
         "    Args:\n"
@@ -311,8 +321,7 @@ def test_a_users_tool_file_is_imported_and_described_only_by_the_workers(tmp_pat
         "    return {'a': 'one'}.get(key, str(default))\n"
     )
     with ToolPool([f"{tool_file}:lookup"], num_workers=2) as pool:
-        importers = {int(pid) for pid in marker.read_text().split()}
-        assert os.getpid() not in importers and len(importers) == 2  # each worker, not us
+        assert not marker.exists()  # nothing outside the sandbox imported it
         # The JSON schema the chat template's `tools` takes, written out by hand.
         assert pool.schemas == [
             {

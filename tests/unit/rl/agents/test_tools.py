@@ -3,13 +3,22 @@ and the built-in python tool's semantics (run here: it is this repo's code)."""
 
 from __future__ import annotations
 
+import copy
+import urllib.request
 from pathlib import Path
 from typing import Literal
 
 import pytest
+from referencing.exceptions import Unresolvable
 
 from rl.agents.builtin_tools import python
-from rl.agents.tools import ToolSpec, check_arguments, resolve_tool, tool_schema
+from rl.agents.tools import (
+    ToolSpec,
+    check_arguments,
+    check_schema,
+    resolve_tool,
+    tool_schema,
+)
 from tests.helpers.repo import REPO
 from tests.unit.rl.agents import sample_tools
 
@@ -120,11 +129,128 @@ def test_a_parameter_without_a_description_or_a_type_is_refused() -> None:
         ({"xs": "1,2"}, "argument 'xs': expected array, got string"),
         ({"xs": [1, True]}, "argument 'xs': item 1: expected number, got boolean"),
         ({"xs": [], "style": "pie"}, "argument 'style': 'pie' is not one of ['line', 'bar']"),
-        ({"xs": [], "title": 3}, "argument 'title': expected string, got integer"),
+        ({"xs": [], "title": 3}, "argument 'title': expected string or null, got integer"),
     ],
 )
 def test_arguments_are_checked_against_the_schema(arguments: object, problem: str | None) -> None:
     assert check_arguments(tool_schema(plot), arguments) == problem
+
+
+def lookup(
+    key: int | list[str],
+    weights: dict[str, float],
+    point: tuple[int, str],
+    mode: Literal["fast", "exact"] | None,
+    limit: int,
+) -> str:
+    """Look a key up.
+
+    Args:
+        key: A number or some names.
+        weights: A weight per name.
+        point: A position and a label.
+        mode: How to look, if it matters.
+        limit: At most this many results.
+    """
+    return ""
+
+
+VALID = {"key": 1, "weights": {}, "point": [0, "a"], "mode": None, "limit": 1}
+# Hand-written, as a schema need not come from type hints: bounds and a nested object.
+BOUNDED = {
+    "type": "function",
+    "function": {
+        "name": "bounded",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 1},
+                "opts": {
+                    "type": "object",
+                    "properties": {"depth": {"type": "integer"}},
+                    "required": ["depth"],
+                },
+            },
+        },
+    },
+}
+
+
+# What JSON Schema (draft 2020-12) says of each, read from the specification: anyOf needs one
+# branch to hold, additionalProperties and prefixItems constrain a map's values and a tuple's
+# items, a number with a zero fraction is an integer, transformers' `nullable` admits null.
+@pytest.mark.parametrize(
+    "schema, arguments, problem",
+    [
+        (tool_schema(lookup), VALID, None),
+        (tool_schema(lookup), {**VALID, "key": ["a", "b"], "mode": "fast"}, None),
+        (tool_schema(lookup), {**VALID, "limit": 5.0}, None),
+        (
+            tool_schema(lookup),
+            {**VALID, "key": "a"},
+            "argument 'key': expected integer or array, got string",
+        ),
+        (
+            tool_schema(lookup),
+            {**VALID, "key": ["a", 1]},
+            "argument 'key': item 1: expected string, got integer",
+        ),
+        (
+            tool_schema(lookup),
+            {**VALID, "weights": {"a": "heavy"}},
+            "argument 'weights': key 'a': expected number, got string",
+        ),
+        (
+            tool_schema(lookup),
+            {**VALID, "point": ["a", "b"]},
+            "argument 'point': item 0: expected integer, got string",
+        ),
+        (
+            tool_schema(lookup),
+            {**VALID, "mode": "slow"},
+            "argument 'mode': 'slow' is not one of ['fast', 'exact', None]",
+        ),
+        (
+            tool_schema(lookup),
+            {**VALID, "limit": 2.5},
+            "argument 'limit': expected integer, got number",
+        ),
+        (BOUNDED, {"n": 1, "opts": {"depth": 2}}, None),
+        (BOUNDED, {"n": 0}, "argument 'n': 0 is less than the minimum of 1"),
+        (BOUNDED, {"opts": {}}, "argument 'opts': 'depth' is a required property"),
+        (
+            BOUNDED,
+            {"opts": {"depth": "deep"}},
+            "argument 'opts': key 'depth': expected integer, got string",
+        ),
+    ],
+)
+def test_arguments_are_judged_as_json_schema_says(
+    schema: dict, arguments: dict, problem: str | None
+) -> None:
+    assert check_arguments(schema, arguments) == problem
+
+
+def test_a_workers_schema_must_be_valid_json_schema_without_refs() -> None:
+    assert check_schema("plot", tool_schema(plot)) == tool_schema(plot)  # `nullable` included
+    misspelt = copy.deepcopy(BOUNDED)
+    misspelt["function"]["parameters"]["properties"]["n"]["type"] = "integr"
+    with pytest.raises(RuntimeError, match="malformed schema for tool 'bounded': 'integr' is not"):
+        check_schema("bounded", misspelt)
+    remote = copy.deepcopy(BOUNDED)
+    remote["function"]["parameters"]["properties"]["n"] = {"$ref": "https://example.com/n"}
+    with pytest.raises(RuntimeError, match="malformed schema for tool 'bounded'"):
+        check_schema("bounded", remote)
+
+
+def test_a_ref_in_a_schema_is_never_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    fetched = []
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **kw: fetched.append(a))
+    remote = copy.deepcopy(BOUNDED)
+    remote["function"]["parameters"]["properties"]["n"] = {"$ref": "https://example.com/n"}
+    with pytest.raises(Unresolvable):
+        check_arguments(remote, {"n": 1})
+    assert fetched == []
 
 
 def test_a_tool_is_named_by_its_module_and_imported_from_its_root() -> None:

@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 
 from rl.agents.environment import Environment
-from rl.agents.episode import Episode
 from rl.checkpoint.in_flight import in_flight_from_json, in_flight_to_json
 from rl.run.scheduler.prompt_groups import Group, InFlight
-from rl.types import Sample
+from rl.types import Episode, Sample
 
 
 class _StatefulEnv(Environment):

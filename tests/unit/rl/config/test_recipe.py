@@ -161,6 +161,29 @@ def test_the_same_algorithms_compose_where_their_definitions_hold() -> None:
     )
 
 
+def test_a_recomputed_proximal_policy_without_a_correction_is_refused_on_stale_samples() -> None:
+    """At max_staleness 1 (the demo's), recomputed proximal log-probs with off_policy none
+    would replace the behaviour ones: PPO's ratio starts at 1 and no term weighs a stale
+    token by the policy that sampled it. Refused naming the keys and each way out."""
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    assert load_config(recipe).scheduler.max_staleness == 1
+    with pytest.raises(ConfigError) as refused:
+        load_config(recipe, ["algorithm.recompute_old_logprobs=true"])
+    message = str(refused.value)
+    for named in (
+        "grpo_addition_cpu.yaml: algorithm.recompute_old_logprobs=true",
+        "algorithm.off_policy=none",
+        "scheduler.max_staleness=1",
+        "Set algorithm.off_policy=decoupled",
+        "algorithm.recompute_old_logprobs=false",
+    ):
+        assert named in message
+    # The ways out it names load: a correction against the recomputed proximal policy,
+    # on-policy samples, or PPO's ratio against the behaviour log-probs (the recipe as is).
+    for way_out in ("algorithm.off_policy=decoupled", "scheduler.max_staleness=0"):
+        load_config(recipe, ["algorithm.recompute_old_logprobs=true", way_out])
+
+
 @pytest.mark.parametrize(
     ("override", "error"),
     [

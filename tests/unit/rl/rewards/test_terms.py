@@ -139,7 +139,10 @@ def test_checking_reward_terms_never_runs_the_users_code(tmp_path: Path) -> None
     [
         ("import not_a_module_anywhere\ndef fn(r, e):\n    return 1.0\n", "ModuleNotFoundError"),
         ("fn = 3\n", r"'fn' in '.*bad\.py' is not callable \(it is a int\)"),
-        ("import os\nos._exit(3)\ndef fn(r, e):\n    return 1.0\n", "exited while starting"),
+        (
+            "import os\nos._exit(3)\ndef fn(r, e):\n    return 1.0\n",
+            r"exited \(exit code 3\) while starting",
+        ),
     ],
 )
 def test_a_file_that_fails_to_load_fails_in_its_worker_naming_the_cause(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl.agents.environment import ToolUse
 from rl.algorithms.off_policy import proximal_from_forward, recomputes_old_logprobs
 from rl.config import Config
 from rl.run import experience
@@ -23,7 +24,7 @@ from rl.run.experience import (
     annotate_samples,
     prepare_batch,
 )
-from rl.types import Batch, Sample
+from rl.types import Batch, Episode, Sample
 
 GROUP = 2
 
@@ -66,7 +67,86 @@ def test_overlong_shaping_penalises_responses_in_the_buffer() -> None:
     finally:
         scorer.close()
     assert scores == [pytest.approx([-0.3, 0.0]), pytest.approx([0.0])]
-    assert metrics == {"reward/errors": 0.0}
+    assert metrics == {"reward/errors": 0.0, "reward/truncated_capped": 0.0}
+
+
+class _ExactAnswer:
+    """The task's reward: 1 for the example's answer, else 0."""
+
+    def score(self, prompts, responses, examples):
+        right = [float(r == e["answer"]) for r, e in zip(responses, examples, strict=True)]
+        return torch.tensor(right), {}
+
+    def close(self) -> None:
+        pass
+
+
+def _episode_sample(
+    index: int, answer: str, env_reward: float, finish_reason: str, max_turns: bool = False
+) -> Sample:
+    episode = Episode(ToolUse(), [], None, reward=env_reward, max_turns_reached=max_turns)
+    return Sample(
+        [1], 0, index, response_ids=[3], logprobs=[-0.5], finish_reason=finish_reason,
+        response_text=answer, episode=episode,
+    )  # fmt: skip
+
+
+def _score_one_group(samples: list[Sample], **reward) -> tuple[list[float], dict]:
+    cfg = Config.model_validate(
+        {"model": {"path": "unused"}, "algorithm": {"group_size": len(samples)}, "reward": reward}
+    )
+    scorer = StreamingScorer(cfg, _ExactAnswer())
+    try:
+        (scores,), metrics = scorer.score([(samples, {"prompt": "p", "answer": "cat"})]).result(10)
+    finally:
+        scorer.close()
+    return scores, metrics
+
+
+def _guess_the_word_group() -> list[Sample]:
+    """docs/agents.md's old example environment: -0.1 for a wrong first answer, then a hint."""
+    return [
+        _episode_sample(0, "cat", 0.0, "stop"),  # right at once: 1
+        _episode_sample(1, "cow", -0.1, "stop"),  # wrong twice: -0.1
+        _episode_sample(2, "the word might be", 0.0, "length"),  # rambled into the limit: 0
+        _episode_sample(3, "<tool_call>", 0.0, "stop", max_turns=True),  # calls until max_turns
+        _episode_sample(4, "it is c", -0.1, "length"),  # a hint, then cut: -0.1 already
+    ]
+
+
+def test_an_episode_cut_by_a_limit_scores_no_higher_than_a_wrong_answer() -> None:
+    scores, metrics = _score_one_group(_guess_the_word_group())
+    # Truncated ones are capped at the lowest finished score, the wrong answer's -0.1.
+    assert scores == pytest.approx([1.0, -0.1, -0.1, -0.1, -0.1])
+    assert metrics["reward/truncated_capped"] == pytest.approx(2 / 5)
+
+
+def test_without_the_cap_a_truncated_episode_keeps_its_own_score() -> None:
+    scores, metrics = _score_one_group(_guess_the_word_group(), cap_truncated=False)
+    assert scores == pytest.approx([1.0, -0.1, 0.0, 0.0, -0.1])
+    assert "reward/truncated_capped" not in metrics
+
+
+def test_a_group_cut_short_everywhere_keeps_its_scores() -> None:
+    group = [
+        _episode_sample(0, "the word", 0.0, "length"),
+        _episode_sample(1, "cat", -0.1, "length"),  # a hint, then the answer, cut: 0.9
+        _episode_sample(2, "<tool_call>", 0.0, "stop", max_turns=True),
+    ]
+    scores, metrics = _score_one_group(group)
+    assert scores == pytest.approx([0.0, 0.9, 0.0])
+    assert metrics["reward/truncated_capped"] == 0.0
+
+
+def test_a_single_turn_response_cut_at_max_new_tokens_is_capped_too() -> None:
+    group = [
+        Sample([1], 0, 0, response_ids=[3], finish_reason="stop", response_text="dog"),
+        Sample([1], 0, 1, response_ids=[3], finish_reason="length", response_text="cat"),
+    ]
+    # The cut response happens to hold the answer (1), yet it did not finish: the group's
+    # finished wrong answer (0) caps it.
+    scores, _ = _score_one_group(group)
+    assert scores == pytest.approx([0.0, 0.0])
 
 
 class _Trainers:

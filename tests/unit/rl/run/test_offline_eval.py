@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from rl.agents.environment import ToolUse
-from rl.agents.episode import Episode
 from rl.run.offline_eval import agent_of, format_samples
-from rl.types import NOT_SAMPLED, Sample
+from rl.types import NOT_SAMPLED, Episode, Sample
 
 
 def test_agent_of_reads_a_base_or_a_checkpoint_and_flags_override(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.sync.transport import choose_transport
+from rl.sync.selection import choose_transport
 
 MIB = 1 << 20
 ROOMY, TIGHT = 1024 * MIB, 60 * MIB  # free in /dev/shm
