@@ -303,9 +303,11 @@ def _drop_capabilities() -> None:
 
 def _confine(
     spec: Spec, report: _Report, scratch: str | None, launcher_alive: int
-) -> dict[str, str]:
-    """Steps 3 and 4 in the worker process; the environment variables it changes. `scratch`:
-    the private directory for HOME and TMPDIR where there are no namespaces, hence no tmpfs."""
+) -> tuple[dict[str, str], str | None]:
+    """Steps 3 and 4 in the worker process: the environment variables it changes, and the
+    private directory for HOME and TMPDIR where there is no tmpfs (`scratch`, made by the
+    launcher where there are no namespaces; made here if the mount namespace could not be
+    made private)."""
     namespaces = scratch is None
     root = os.geteuid() == 0
     uid, gid = (SANDBOX_UID, SANDBOX_UID) if root else (os.geteuid(), os.getegid())
@@ -326,7 +328,7 @@ def _confine(
         except OSError as e:
             report.lacks("a /proc of its own", e)
     if not filesystem:
-        assert scratch is not None, "a private filesystem failed without breaking the sandbox"
+        scratch = scratch or tempfile.mkdtemp(prefix="tandem-sandbox-")
         for sub in ("", "home", "tmp"):
             os.makedirs(os.path.join(scratch, sub), mode=0o700, exist_ok=True)
             if root:
@@ -370,7 +372,7 @@ def _confine(
         size = limits.memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (size, size))
     os.chdir(env["TMPDIR"])
-    return env
+    return env, scratch
 
 
 def _supervise(child: int, scratch: str | None) -> None:
@@ -430,7 +432,7 @@ def main(spec_json: str, module: str, fd: int) -> None:
         _supervise(child, scratch)
     os.close(alive_w)
     try:
-        env = _confine(spec, report, scratch, alive_r)
+        env, scratch = _confine(spec, report, scratch, alive_r)
     except (_Broken, OSError) as e:
         _send(fd, {"failed": f"{type(e).__name__}: {e}"})
         os._exit(1)

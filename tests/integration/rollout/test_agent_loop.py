@@ -21,6 +21,7 @@ import os
 import pickle
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from rollout.engine_loop import GenerationLoop
 from rollout.engines.contract import RolloutEngine
 from rollout.engines.registry import build_engine
 from tests.helpers.chat_templates import qwen_tokenizer
-from tests.helpers.processes import child_pids
+from tests.helpers.processes import child_pids, marked_pids
 from tests.helpers.waiting import HANG_GUARD_S, wait_until
 from tests.integration.rollout.three_turns import NUM_TURNS
 from trainer.hf_model import new_qwen2, save_hf_atomic
@@ -530,18 +531,18 @@ def test_a_turn_stopped_mid_way_comes_back_partial_and_resumes_on_any_worker(
 
 TOOL_TIMEOUT_S = 4.0
 SLOW_TOOLS = '''
-import os
 import time
 
 
-def hang(pid_file: str) -> str:
-    """Write this process's pid to a file, then sleep far past any timeout.
+def hang(marker: str) -> str:
+    """Name this process `marker` (the host sees a sandbox's processes under other pids), then
+    sleep far past any timeout.
 
     Args:
-        pid_file: Where to write the pid.
+        marker: A name of at most 15 characters.
     """
-    with open(pid_file, "w") as f:
-        f.write(str(os.getpid()))
+    with open("/proc/self/comm", "w") as f:
+        f.write(marker)
     time.sleep(1000)
     return "woke up"
 '''
@@ -570,14 +571,14 @@ def _calling(tokenizer, sample: Sample, *calls: tuple[str, dict]) -> Piece:
 
 
 def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
-    engines: Engines, tokenizer, slow_tools: str, tmp_path: Path
+    engines: Engines, tokenizer, slow_tools: str
 ) -> None:
     """Episode 0's first turn calls the hanging tool, then python (reporting the monotonic
     clock when it runs); episodes 1 and 2 call python only."""
     cfg = AGENT.model_copy(
         update={"tools": [slow_tools], "tool_timeout_s": TOOL_TIMEOUT_S, "tool_workers": 3}
     )
-    pid_file = tmp_path / "hang.pid"
+    marker = f"hang-{uuid.uuid4().hex[:10]}"
     engine = Recording(engines.shared("torch", "untied"))
     with ToolPool.for_agent(cfg) as pool:
         batches = {
@@ -585,9 +586,7 @@ def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
         }
         clock = {"code": "import time\ntime.monotonic()"}
         prefilled = {
-            0: _calling(
-                tokenizer, batches[0][0], ("hang", {"pid_file": str(pid_file)}), ("python", clock)
-            ),
+            0: _calling(tokenizer, batches[0][0], ("hang", {"marker": marker}), ("python", clock)),
             **{
                 g: _calling(tokenizer, batches[g][0], ("python", {"code": f"print({g} * 21)"}))
                 for g in (1, 2)
@@ -629,12 +628,4 @@ def test_a_hung_tool_times_out_without_holding_up_the_other_episodes(
     for g, [sample] in batches.items():
         check_trajectory(tokenizer, sample, [prefilled[g], *engine.pieces[g, 0]])
     # The hung call's process was killed at the timeout, not left sleeping.
-    assert not _alive(int(pid_file.read_text()))
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not marked_pids(marker)
