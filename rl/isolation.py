@@ -89,7 +89,6 @@ class Isolation:
     user: str = ""
     processes: bool = False  # own pid namespace and /proc; its processes die with it
     filesystem: bool = False  # read-only host, private size-capped HOME, /tmp, /dev/shm
-    memory_mb: int = 0  # address-space limit (0: none)
     tmp_mb: int = 0  # the private tmpfs's size (0: no tmpfs, a private directory instead)
     missing: tuple[str, ...] = field(default=())
 
@@ -148,8 +147,8 @@ class Spec:
 class _Report:
     """The isolation being built up, part by part."""
 
-    def __init__(self, limits: Limits) -> None:
-        self.parts: dict = {"memory_mb": limits.memory_mb}
+    def __init__(self) -> None:
+        self.parts: dict = {}
         self.missing: list[str] = []
 
     def lacks(self, what: str, error: BaseException | int) -> None:
@@ -417,7 +416,7 @@ def _send(fd: int, message: dict) -> None:
 
 def main(spec_json: str, module: str, fd: int) -> None:
     spec = Spec.from_json(spec_json)
-    report = _Report(spec.limits)
+    report = _Report()
     namespaces = _unshare(report) if sys.platform.startswith("linux") else False
     # Without a tmpfs, HOME and TMPDIR go here: removed by this process when the worker ends,
     # or by the driver when it kills both.

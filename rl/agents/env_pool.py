@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 
 from rl.agents.environment import Environment, EnvStep, Message
 from rl.config import AgentConfig
-from rl.isolation import Isolation
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 from rl.user_code import parse_file_ref
 
@@ -70,10 +69,9 @@ class EnvSettings:
 class EnvPool:
     """`settings.num_workers` workers serving requests for one environment class, one request
     per worker at a time; `request` is thread-safe and blocks until a worker is free. The
-    workers run in sandboxes (rl.sandbox; `isolation` says what they got) with a clean
-    environment and an address-space limit of `settings.memory_mb` MiB; their output goes to
-    `log_file` (None: this process's stderr). `tools` is the class's `tools`, as a worker read
-    it."""
+    workers run in sandboxes (rl.sandbox) with a clean environment and an address-space limit
+    of `settings.memory_mb` MiB; their output goes to `log_file` (None: this process's
+    stderr). `tools` is the class's `tools`, as a worker read it."""
 
     def __init__(self, settings: EnvSettings, log_file: str | None = None) -> None:
         self.settings = settings
@@ -86,7 +84,6 @@ class EnvPool:
         self._lock = threading.Lock()  # guards _workers and _closed
         self._closed = False
         self.tools: tuple[str, ...] = ()
-        self.isolation = Isolation()  # what the workers report as they start
         self._what = _what(settings)
         try:
             for _ in range(settings.num_workers):
@@ -171,7 +168,6 @@ class EnvPool:
         worker = start_worker(
             "rl.agents.env_worker", self._env, self.settings.memory_mb, self._log_file, [path]
         )
-        self.isolation = worker.isolation
         with self._lock:
             if self._closed:
                 worker.kill()

@@ -1,6 +1,7 @@
 """One multi-turn episode: its state (`rl.types.Episode`, carried by its `rl.types.Sample`
 wherever the sample goes, so an episode interrupted by a weight sync resumes on any rollout
-worker), how a group of episodes starts, what happens between two turns, and the metrics of a step's episodes.
+worker), how a group of episodes starts, what happens between two turns, and the metrics of
+a step's episodes.
 
 Between turns (`observe`): the assistant's tool calls are parsed in the configured format
 and checked against the tools' schemas; each valid one runs in the sandboxed tool pool; each

@@ -153,9 +153,8 @@ def _end_the_rest() -> None:
         return  # none
     while True:
         try:
-            if os.waitpid(-1, 0)[0] == 0:
-                return
-        except ChildProcessError:
+            os.waitpid(-1, 0)
+        except ChildProcessError:  # every one reaped
             return
 
 
