@@ -79,6 +79,10 @@ class Schedule:
     # percentile of the last synced step's lengths)
     abort_every: int | Literal["auto"] = "auto"
     dynamic_sampling_rounds: int = 0  # 0: off
+    # partial_rollout "carry": the bounds and the groups kept live (0: 2 x groups_per_step)
+    max_token_age: int = 4
+    max_stale_share: float = 0.5
+    groups_in_flight: int = 0
 
     def label(self) -> str:
         mode = self.partial_rollout
@@ -278,6 +282,9 @@ def simulate(
         max_groups_per_step=max(1, rounds) * workload.groups_per_step,
         release_memory=time_sliced,
         max_rollout_restarts=0,
+        max_token_age=schedule.max_token_age,
+        max_stale_share=schedule.max_stale_share,
+        groups_in_flight=schedule.groups_in_flight or 2 * workload.groups_per_step,
     )
     # The trace's lanes stand for one device each: the simulation measures its GPUs itself.
     lanes = {f"rollout-{i}": [i] for i in range(num_engines)}

@@ -72,6 +72,15 @@ class _GroupRecord(_Record):
     scores: list[float]
     kept: bool | None
     reward_metrics: dict[str, float]
+    start_epoch: int = Field(0, ge=0)
+    finished_at: list[int] | None = Field(None, min_length=2, max_length=2)
+
+
+class _CarryRecord(_Record):
+    epoch: int = Field(ge=0)
+    num_selected: int = Field(ge=0)
+    selected_by_boundary: list[int] = Field(min_length=2, max_length=2)
+    metrics: dict[str, dict[str, float]]
 
 
 class _InFlightRecord(_Record):
@@ -79,6 +88,7 @@ class _InFlightRecord(_Record):
     admission: dict[str, list[int]]
     groups: list[_GroupRecord]
     abort_every: int = Field(ge=1)
+    carry: _CarryRecord | None = None
 
 
 # Sample fields a checkpoint leaves out: the trainer's annotations, computed again on resume.
@@ -91,6 +101,7 @@ def in_flight_to_json(state: InFlight) -> dict:
         "next_group_id": state.next_group_id,
         "admission": state.admission,
         "abort_every": state.abort_every,
+        "carry": state.carry,
         "groups": [
             {
                 "group_id": group.group_id,
@@ -100,6 +111,8 @@ def in_flight_to_json(state: InFlight) -> dict:
                 "scores": group.scores,
                 "kept": group.kept,
                 "reward_metrics": group.reward_metrics,
+                "start_epoch": group.start_epoch,
+                "finished_at": None if group.finished_at is None else list(group.finished_at),
             }
             for group in state.groups
         ],
@@ -120,8 +133,13 @@ def in_flight_from_json(
     for group in checked.groups:
         samples = [_sample_from_record(s, env_class, where) for s in group.samples]
         fields = group.model_dump(exclude={"samples"})
+        if fields["finished_at"] is not None:
+            fields["finished_at"] = tuple(fields["finished_at"])
         groups.append(Group(samples=samples, **fields))
-    return InFlight(checked.next_group_id, checked.admission, groups, checked.abort_every)
+    carry = None if checked.carry is None else checked.carry.model_dump()
+    return InFlight(
+        checked.next_group_id, checked.admission, groups, checked.abort_every, carry
+    )
 
 
 def _sample_to_json(sample: Sample) -> dict:

@@ -291,8 +291,9 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
     from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
 
     k = cfg.scheduler.max_staleness
+    carry = cfg.scheduler.partial_rollout == "carry"
     if (
-        k >= 1
+        (k >= 1 or carry)
         and algo.recompute_old_logprobs
         and not OFF_POLICY_CORRECTIONS.traits(algo.off_policy).needs_proximal
     ):
@@ -300,7 +301,8 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
         # no term would weigh a stale token by the policy that sampled it (docs/algorithms.md).
         raise ConfigError(
             f"{path}: algorithm.recompute_old_logprobs=true with "
-            f"algorithm.off_policy={algo.off_policy} at scheduler.max_staleness={k} trains "
+            f"algorithm.off_policy={algo.off_policy} at scheduler.max_staleness={k}"
+            f"{' with partial_rollout=carry' if carry else ''} trains "
             "stale samples uncorrected: the recomputed proximal log-probs replace the "
             "behaviour ones, so PPO's ratio starts at 1 and nothing weighs a token by the "
             "policy that sampled it. Set algorithm.off_policy=decoupled (decoupled PPO, as "
@@ -308,6 +310,14 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
             "policy, each token weighed by exp(proximal - behaviour)) or another correction, "
             "or algorithm.recompute_old_logprobs=false (PPO's ratio and clip against each "
             "token's behaviour log-prob), or scheduler.max_staleness=0"
+            + (" and another partial_rollout" if carry else "")
+        )
+    if carry and cfg.scheduler.max_token_age < k:
+        raise ConfigError(
+            f"{path}: scheduler.max_token_age={cfg.scheduler.max_token_age} is below "
+            f"scheduler.max_staleness={k}: under partial_rollout=carry max_token_age bounds "
+            "every trained token and max_staleness says which of them count as stale "
+            "(max_stale_share); set max_token_age >= max_staleness"
         )
     if algo.max_sampling_rounds < 1:
         raise ConfigError(f"{path}: algorithm.max_sampling_rounds must be >= 1")

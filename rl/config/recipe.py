@@ -347,7 +347,13 @@ def _describe_overlap(cfg: Config) -> str:
     else:
         how = f"{correction} against proximal log-probs recomputed by a trainer pass"
     partial = cfg.scheduler.partial_rollout
-    if partial == "abort":
+    if partial == "carry":
+        sched = cfg.scheduler
+        partial += (
+            f" (each step the first groups to finish; tokens at most {sched.max_token_age} "
+            f"versions old, at most {sched.max_stale_share:g} of them over {k})"
+        )
+    if partial in ("abort", "carry"):
         every = cfg.scheduler.abort_every
         partial += (
             " at the 95th percentile of the last synced step's response lengths"

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # What a weight sync does to the generations in flight (scheduler.partial_rollout).
-PartialRollout = Literal["finish", "abort", "interrupt"]
+PartialRollout = Literal["finish", "abort", "interrupt", "carry"]
 
 
 class Section(BaseModel):
@@ -68,7 +68,28 @@ class SchedulerConfig(Section):
         "the policy version it started with (finish), or stops every abort_every tokens "
         "(abort) or wherever it is when a weight sync comes due (interrupt: the sync never "
         "waits, but runs are not reproducible) and resumes under the next version with its "
-        "prefix kept.",
+        "prefix kept. carry: groups belong to no step until they finish; every sample stops "
+        "every abort_every tokens, and each step trains the first groups to finish counted in "
+        "generated tokens, within max_token_age and max_stale_share (docs/scale.md).",
+    )
+    max_token_age: int = Field(
+        4,
+        ge=0,
+        description="partial_rollout carry: no trained token is more than this many policy "
+        "versions old; a group that would be older is dropped (carry/dropped_groups).",
+    )
+    max_stale_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="partial_rollout carry: at most this share of a step's trained tokens are "
+        "more than max_staleness versions old (verl's staleness_threshold).",
+    )
+    groups_in_flight: int = Field(
+        0,
+        ge=0,
+        description="partial_rollout carry: prompt groups generating or finished and waiting "
+        "for a step, kept topped up at every epoch (0 = 2 x run.prompts_per_step).",
     )
     abort_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",

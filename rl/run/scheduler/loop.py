@@ -58,6 +58,7 @@ import torch
 from rl.algorithms.dapo import dynamic_sampling_keep
 from rl.observe.trace import Trace
 from rl.run.scheduler.admission import Admission
+from rl.run.scheduler.carry_over import CarryOver
 from rl.run.scheduler.clock import WALL_CLOCK, Clock
 from rl.run.scheduler.device_turns import DeviceTurns
 from rl.run.scheduler.ports import RolloutPort, ScorerPort, Settings, TrainerPort, WorkerLost
@@ -134,21 +135,41 @@ class Scheduler:
         self._abort_every = sampling.max_new_tokens if auto else settings.abort_every
         self._next_abort_every = self._abort_every
         self._last_step_end = clock.now()
+        # partial_rollout "carry" (rl.run.scheduler.carry_over): groups belong to no step
+        # (step 0) until a boundary selects them.
+        self.carry: CarryOver | None = None
+        self._closed = True  # the boundary before the next epoch has selected its step
+        if settings.partial_rollout == "carry":
+            self.carry = CarryOver(
+                settings.num_steps,
+                settings.groups_per_step,
+                settings.groups_in_flight,
+                settings.max_staleness,
+                settings.max_stale_share,
+                settings.max_token_age,
+            )
         if in_flight is not None:
             self._num_groups = in_flight.next_group_id
             self._abort_every = self._next_abort_every = in_flight.abort_every
             self.admission.load_state_dict(in_flight.admission)
+            waiting = []
             for group in in_flight.groups:
                 if group.step > settings.num_steps:  # a resumed run shortened
                     continue
                 if group.kept is None:
                     self._partial.append(group)  # resumes first, as after that sync
+                elif group.step == 0:  # carry: finished, no step selected it yet
+                    waiting.append(group)
                 else:
                     self._finished.setdefault(group.step, []).append(group)
+            if self.carry is not None:
+                assert in_flight.carry is not None, "a carry run resumed from another mode"
+                self.carry.load_state_dict(in_flight.carry, waiting)
 
     def run(self) -> Iterator[tuple[int, dict[str, float]]]:
         """Train every step; yields (step, metrics) as each step's weights reach the rollout."""
-        self._resume_waiting()
+        if self.carry is None:
+            self._resume_waiting()
         while self.rollout_version < self.settings.num_steps:
             self._replace_lost()
             yield from self._sync_if_due()
@@ -159,7 +180,11 @@ class Scheduler:
                 self._admit()
             if self.rollout_version == self.settings.num_steps:
                 break
-            assert self._pending, "scheduler stalled: nothing in flight and nothing to start"
+            if not self._pending:  # an epoch that started nothing: its boundary is due now
+                assert self.carry is not None and not self._closed, (
+                    "scheduler stalled: nothing in flight and nothing to start"
+                )
+                continue
             done = self.clock.wait_first(list(self._pending))
             for future in done:
                 self._complete(future)
@@ -174,16 +199,21 @@ class Scheduler:
             *self._held,
         ]
         scored = [group for groups in self._finished.values() for group in groups]
+        if self.carry is not None:
+            scored += [*self.carry.backlog, *self.carry.unkept]
         return InFlight(
             self._num_groups,
-            self.admission.state_dict(),
+            self.admission.state_dict() if self.carry is None else {},
             sorted([*waiting, *scored], key=lambda group: group.group_id),
             self._abort_every,
+            None if self.carry is None else self.carry.state_dict(),
         )
 
     # -- generation ---------------------------------------------------------------------
 
     def _admit(self) -> None:
+        if self.carry is not None:
+            return  # groups start at boundaries (_open_epoch)
         if self.settings.release_memory and self._trainer_busy():
             return  # time-sliced devices: the trainer has them
         last_step = None if self._at_sync else self.rollout_version + 1
@@ -204,8 +234,10 @@ class Scheduler:
 
     def _params(self, group: Group) -> SamplingParams:
         """The next step's groups finish under this version; later steps' stop at abort
-        points under partial_rollout "abort"."""
-        if group.step > self.rollout_version + 1 and self.settings.partial_rollout == "abort":
+        points under partial_rollout "abort"; every group does under "carry"."""
+        if self.carry is not None or (
+            group.step > self.rollout_version + 1 and self.settings.partial_rollout == "abort"
+        ):
             return dataclasses.replace(self.sampling, stop_every=self._abort_every)
         return self.sampling
 
@@ -272,6 +304,14 @@ class Scheduler:
         if self.settings.dynamic_sampling:
             tensor = torch.tensor(group.scores)
             group.kept = bool(dynamic_sampling_keep(tensor, self.settings.group_size)[0])
+        if self.carry is not None:
+            generated = [
+                len(sample.response_ids) - start
+                for sample, start in zip(group.samples, group.segment_start, strict=True)
+            ]
+            group.finished_at = (self.carry.epoch, max(generated))
+            self.carry.finished(group)
+            return
         self.admission.finish(group.step, group.kept)
         self._finished.setdefault(group.step, []).append(group)
 
@@ -339,7 +379,7 @@ class Scheduler:
         if self._trainer_busy():
             return
         step = self.trainer_version + 1
-        if step > self.settings.num_steps or not self.admission.is_complete(step):
+        if step > self.settings.num_steps or not self._batch_ready(step):
             return
         if self.settings.release_memory and self._is_generating():
             return  # time-sliced devices: the engines have them
@@ -358,9 +398,16 @@ class Scheduler:
             return
         samples = [sample for group in kept for sample in group.samples]
         scores = [score for group in kept for score in group.scores]
+        if self.carry is not None:
+            self.carry.check_bounds(step, kept)
         self.turns.to_trainer()
         self.trace.begin("trainer", "train", step)
         self._await(self.trainer.train(step, samples, scores), "train", step)
+
+    def _batch_ready(self, step: int) -> bool:
+        if self.carry is not None:
+            return self.carry.may_train(step, self.rollout_version)
+        return self.admission.is_complete(step)
 
     def _kept(self, step: int) -> list[Group]:
         """The groups step `step` trains on, in id order."""
@@ -377,7 +424,8 @@ class Scheduler:
         self.trace.end("trainer", "train")
         assert step == self.trainer_version + 1
         self.trainer_version = step
-        self.admission.retire(step)
+        if self.carry is None:
+            self.admission.retire(step)
         kept = self._kept(step)
         if self.settings.abort_every == "auto" and kept:
             lengths = [len(sample.response_ids) for group in kept for sample in group.samples]
@@ -386,6 +434,7 @@ class Scheduler:
         reward_calls = [(group.reward_metrics, len(group.samples)) for group in finished]
         self._step_metrics[step] = {
             **step_metrics(step, finished, kept, reward_calls),
+            **(self.carry.metrics.pop(step) if self.carry is not None else {}),
             **metrics,
         }
 
@@ -395,6 +444,9 @@ class Scheduler:
         return self.trainer_version > self.rollout_version and not self._trainer_busy()
 
     def _sync_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
+        if self.carry is not None:
+            yield from self._boundary_if_due()
+            return
         if not self._sync_pending() or self._is_scoring():
             return
         if self._is_generating():
@@ -402,6 +454,10 @@ class Scheduler:
                 self.rollout.interrupt()
                 self._interrupted = True
             return
+        yield from self._sync()
+
+    def _sync(self) -> Iterator[tuple[int, dict[str, float]]]:
+        """Send the trainer's weights to the rollout, with nothing generating or scored."""
         version = self.trainer_version
         lanes = ["trainer", *(f"rollout-{i}" for i in range(self.rollout.num_workers))]
         for lane in lanes:
@@ -422,10 +478,11 @@ class Scheduler:
             self.trace.end(lane, "sync")
         self.rollout_version, self._at_sync, self._interrupted = version, True, False
         self._abort_every = self._next_abort_every
-        if self.settings.partial_rollout == "abort":
+        if self.settings.partial_rollout in ("abort", "carry"):
             metrics["rollout/abort_every"] = float(self._abort_every)
         metrics.update(self.on_version(version))
-        self._resume_waiting()
+        if self.carry is None:
+            self._resume_waiting()
         now = self.clock.now()
         metrics.update(self._step_metrics.pop(version))
         metrics.update(self.trace.summary(self._last_step_end, now))
@@ -436,6 +493,47 @@ class Scheduler:
         metrics["time/step_s"] = now - self._last_step_end
         self._last_step_end = now
         yield version, metrics
+
+    # -- partial_rollout "carry": epochs and their boundaries ----------------------------
+
+    def _boundary_if_due(self) -> Iterator[tuple[int, dict[str, float]]]:
+        """Once nothing generates or is being scored: select the next step's groups (once a
+        boundary), send the rollout the version the next epoch samples with, as the trainer
+        reaches it (one push and one yield a version), and open the next epoch."""
+        if self._is_generating() or self._is_scoring() or self._lost:
+            return
+        if not self._closed:
+            self._close_epoch()
+        while self.rollout_version < self.carry.version_due():
+            if self._trainer_busy() or self.trainer_version == self.rollout_version:
+                return  # the version due is being trained, or about to be (_feed_trainer)
+            yield from self._sync()
+        if self.carry.num_selected < self.settings.num_steps:
+            self._open_epoch()
+
+    def _close_epoch(self) -> None:
+        selection = self.carry.close_epoch(self._partial)
+        gone = {id(group) for group in selection.dropped}
+        self._partial = [group for group in self._partial if id(group) not in gone]
+        if selection.step is not None:
+            self._finished[selection.step] = [*selection.batch, *selection.unkept]
+        self._closed = True
+
+    def _open_epoch(self) -> None:
+        """Resume the groups stopped at an abort point and start fresh ones (CarryOver.num_fresh),
+        every segment from this boundary: the token clock's zero for the epoch."""
+        epoch = self.carry.open_epoch()
+        waiting = sorted([*self._partial, *self._held], key=lambda group: group.group_id)
+        self._partial, self._held = [], []
+        groups = list(waiting)
+        for _ in range(self.carry.num_fresh(len(waiting) + len(self.carry.backlog), bool(waiting))):
+            group_id, self._num_groups = self._num_groups, self._num_groups + 1
+            example, samples = self.next_group(group_id)
+            groups.append(Group(group_id, 0, example, samples, start_epoch=epoch))
+        for group in groups:
+            group.segment_start = [len(sample.response_ids) for sample in group.samples]
+        self._closed = False
+        self._generate(groups)
 
     def _complete(self, future: Future) -> None:
         kind, *payload = self._pending.pop(future)

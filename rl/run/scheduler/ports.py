@@ -35,6 +35,10 @@ class Settings:
     release_memory: bool
     # Rollout workers lost in a run (generating or receiving weights) before it fails.
     max_rollout_restarts: int
+    # partial_rollout "carry" (rl.run.scheduler.carry_over): the bounds, and the groups kept live.
+    max_token_age: int = 0
+    max_stale_share: float = 0.0
+    groups_in_flight: int = 0
 
     @classmethod
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:
@@ -51,6 +55,9 @@ class Settings:
             max_groups_per_step=rounds * config.run.prompts_per_step,
             release_memory=sched.time_sliced and use_gpu,
             max_rollout_restarts=config.faults.max_rollout_restarts,
+            max_token_age=sched.max_token_age,
+            max_stale_share=sched.max_stale_share,
+            groups_in_flight=sched.groups_in_flight or 2 * config.run.prompts_per_step,
         )
 
 

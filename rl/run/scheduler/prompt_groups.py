@@ -22,19 +22,27 @@ class Group:
     kept: bool | None = None  # None until scored; then whether its step trains on it
     reward_metrics: dict[str, float] = field(default_factory=dict)  # of its scoring call
     annotated: bool = False
+    # partial_rollout "carry" (rl.run.scheduler.carry_over): the epoch it started in, its place
+    # on the token clock once finished (epoch, tokens generated in it), and its samples'
+    # lengths when the current epoch opened (not recorded: a checkpoint is at a boundary).
+    start_epoch: int = 0
+    finished_at: tuple[int, int] | None = None
+    segment_start: list[int] = field(default_factory=list)
 
 
 @dataclass
 class InFlight:
     """The scheduler at a sync, as a checkpoint records it (Scheduler.state_dict): the next
     group id, admission's counts per step ahead, every group no step has trained yet,
-    scored (`kept` set) or still to generate (fresh, or partial with its prefix), and the
-    abort point in force until the next sync."""
+    scored (`kept` set) or still to generate (fresh, or partial with its prefix), the
+    abort point in force until the next sync, and under partial_rollout "carry" its
+    bookkeeping (CarryOver.state_dict)."""
 
     next_group_id: int
     admission: dict[str, list[int]]
     groups: list[Group]
     abort_every: int
+    carry: dict | None = None
 
 
 def step_metrics(

@@ -268,3 +268,26 @@ def test_the_run_summary_says_where_abort_points_are() -> None:
     fixed = dry_run_report(load_config(recipe, [*overlap, "scheduler.abort_every=4"]), recipe)
     assert "partial_rollout=abort at the 95th percentile of the last synced step's" in auto
     assert "partial_rollout=abort every 4 tokens" in fixed
+
+
+def test_carry_over_is_refused_with_uncorrected_stale_samples_or_an_age_bound_below_k() -> None:
+    """partial_rollout carry trains tokens older than the step before it even at
+    max_staleness 0 (a carried sample's first tokens), so the recompute-without-correction
+    refusal holds there too; and an age bound below k would leave nothing to train."""
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    carry = ["scheduler.partial_rollout=carry", "scheduler.max_staleness=0"]
+    with pytest.raises(ConfigError, match="max_staleness=0 with partial_rollout=carry"):
+        load_config(recipe, [*carry, "algorithm.recompute_old_logprobs=true"])
+    load_config(
+        recipe, [*carry, "algorithm.recompute_old_logprobs=true", "algorithm.off_policy=decoupled"]
+    )
+    with pytest.raises(ConfigError, match="scheduler.max_token_age=1 is below"):
+        load_config(
+            recipe,
+            [
+                "scheduler.partial_rollout=carry",
+                "scheduler.max_staleness=2",
+                "scheduler.max_token_age=1",
+            ],
+        )
+    assert load_config(recipe, carry).scheduler.partial_rollout == "carry"

@@ -48,6 +48,9 @@ def _run(
     in_flight: dict | None = None,
     num_steps: int = 5,
     abort_every: int | str = 2,
+    max_token_age: int = 3,
+    max_stale_share: float = 0.5,
+    groups_in_flight: int = 6,
 ):
     """A `num_steps`-step run; `seed` draws the timings and placements only. `in_flight`: resume at
     `start_version` from a state the run recorded (as JSON, as a checkpoint holds it)."""
@@ -63,6 +66,9 @@ def _run(
         max_groups_per_step=6 if dynamic else 3,
         release_memory=release_memory,
         max_rollout_restarts=max_restarts,
+        max_token_age=max_token_age,
+        max_stale_share=max_stale_share,
+        groups_in_flight=groups_in_flight,
     )
     rollout = FakeRollout(rng, 2, kill_chance, max_kills, kill_at_sync)
     rollout.versions = [start_version] * rollout.num_workers
@@ -390,3 +396,89 @@ def test_losing_more_rollout_workers_than_the_cap_fails_the_run() -> None:
             max_kills=10,
             max_restarts=1,
         )
+
+
+# -- partial_rollout "carry" (rl.run.scheduler.carry_over) ----------------------------------
+
+
+def _token_ages(samples, step: int) -> list[int]:
+    return [step - 1 - v for sample in samples for v in sample.token_versions if v >= 0]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_carry_trains_the_same_groups_and_tokens_under_any_timing_within_both_bounds(
+    k: int,
+) -> None:
+    for dynamic, annotate, kills in [
+        (False, True, {}),
+        (True, False, {}),
+        (False, False, {"kill_chance": 0.2}),
+        (True, True, {"kill_at_sync": True}),
+    ]:
+        runs = [
+            _run(seed, k, "carry", dynamic, annotate, max_kills=3 if kills else 0, **kills)
+            for seed in (1, 2, 3)
+        ]
+        outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
+        if kills:  # how many workers died, and in which step, is the timing's
+            for outcome in outcomes:
+                for _, metrics in outcome["metrics"]:
+                    del metrics["rollout/workers_replaced"]
+        assert outcomes[0] == outcomes[1] == outcomes[2]
+        scheduler, rollout, trainer, logged = runs[0]
+        assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+        seen: set[tuple[int, int]] = set()
+        carried = 0
+        for step, samples in trainer.trained.items():
+            assert len(samples) == 3 * 2  # groups_per_step x group_size, whatever finished first
+            ages = _token_ages(samples, step)
+            # Both bounds, on every trained token: the age, and the share older than k.
+            assert max(ages) <= 3
+            assert sum(age > k for age in ages) <= 0.5 * len(ages)
+            for sample in samples:
+                key = (sample.group_id, sample.index)
+                assert key not in seen, f"sample {key} trained twice"
+                seen.add(key)
+                expected = [token_at(sample, p) for p in range(len(sample.response_ids))]
+                assert sample.response_ids == expected, "a resumed sample lost its prefix"
+                assert sample.token_versions == sorted(sample.token_versions)
+                carried += len(set(sample.token_versions)) > 1
+        assert carried, "no trained sample spanned two versions: carry-over went untested"
+        for step, metrics in logged:
+            assert metrics["carry/max_token_age"] == max(_token_ages(trainer.trained[step], step))
+        assert rollout.num_interrupts == 0
+
+
+def test_carry_steps_take_the_groups_that_finish_first_on_the_token_clock() -> None:
+    """One epoch, every group fresh: a step takes the groups whose longest sample is
+    shortest (ids breaking ties), read off the fake engine's lengths, however they
+    arrived."""
+    from tests.unit.rl.run.scheduler.fakes import response_length
+    from rl.types import Sample
+
+    scheduler, _, trainer, _ = _run(
+        4, 1, "carry", False, False, abort_every=MAX_NEW_TOKENS, groups_in_flight=6, num_steps=1
+    )
+    # Groups 0-5 started together; each ran to its end within the first epoch.
+    longest = {
+        group: max(response_length(Sample([1], group, index)) for index in range(2))
+        for group in range(6)
+    }
+    first = sorted(longest, key=lambda group: (longest[group], group))[:3]
+    assert sorted({sample.group_id for sample in trainer.trained[1]}) == sorted(first)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_carry_resumed_at_any_sync_continues_exactly(k: int) -> None:
+    scheduler, _, trainer, logged = _run(1, k, "carry", dynamic=True, annotate=True)
+    for step in range(1, 5):
+        resumed = _run(
+            seed=10 + step, k=k, partial="carry", dynamic=True, annotate=True,
+            start_version=step, in_flight=scheduler.states[step],
+        )  # fmt: skip
+        resumed_outcome = _outcome(resumed[0], resumed[2], resumed[3])
+        original = _outcome(scheduler, trainer, logged, after=step)
+        assert resumed_outcome["metrics"] == original["metrics"]
+        assert resumed_outcome["trained"] == original["trained"]
+        first_new = scheduler.states[step]["next_group_id"]
+        assert resumed[0].drawn == [g for g in scheduler.drawn if g >= first_new]
