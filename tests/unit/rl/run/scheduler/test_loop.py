@@ -453,8 +453,8 @@ def test_carry_steps_take_the_groups_that_finish_first_on_the_token_clock() -> N
     """One epoch, every group fresh: a step takes the groups whose longest sample is
     shortest (ids breaking ties), read off the fake engine's lengths, however they
     arrived."""
-    from tests.unit.rl.run.scheduler.fakes import response_length
     from rl.types import Sample
+    from tests.unit.rl.run.scheduler.fakes import response_length
 
     scheduler, _, trainer, _ = _run(
         4, 1, "carry", False, False, abort_every=MAX_NEW_TOKENS, groups_in_flight=6, num_steps=1
