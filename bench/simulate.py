@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from docs_section import write_section
-from sim import verl
+from sim import areal_async, verl, verl_async
 from sim.cluster import Placement, Result, Schedule, Workload, simulate
 from sim.costs import H100, H200, QWEN25_7B, QWEN25_32B, CostModel
 from sim.lengths import LogNormal, Replay, read_lengths
@@ -40,7 +40,9 @@ class Run:
     cost: CostModel
     placement: Placement
     workload: Workload
-    schedule: Schedule
+    # Tandem's scheduler (sim.cluster), or another system's policy (sim.verl_async,
+    # sim.areal_async) with its own schedule
+    schedule: Schedule | verl_async.VerlSchedule | areal_async.ArealSchedule
 
 
 def reasoning(length: Callable | None = None, num_steps: int = 8, groups: int = 256) -> Workload:
@@ -137,18 +139,63 @@ def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
     ]
 
 
+def policy_sweep(workload: Workload) -> list[Run]:
+    """Tandem's modes against verl's fully-async policy and AReaL's on the same 128 H100:
+    each system at its published setting (verl staleness 0.5 with partial rollouts, split
+    half and half; AReaL eta 4, split), Tandem's carry-over at its defaults and at a shorter
+    abort point with more groups in flight."""
+    cost, gpus = CostModel(H100, QWEN25_7B), 128
+    workload = dataclasses.replace(workload, num_steps=10)
+    colocate, split = Placement.colocate(gpus), Placement.split(gpus, gpus // 2)
+    groups = workload.groups_per_step
+    rows = [
+        ("Tandem: colocate k=0", colocate, Schedule(0)),
+        ("Tandem: colocate k=1 abort (auto)", colocate, Schedule(1, "abort")),
+        ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, OVERLAP),
+        ("Tandem: colocate k=1 carry (auto, 2x groups)", colocate, Schedule(1, "carry")),
+        (
+            "Tandem: colocate k=1 carry (4096, 3x groups)",
+            colocate,
+            Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
+        ),
+        (
+            "Tandem: split 64:64 k=1 carry (4096, 3x groups)",
+            split,
+            Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
+        ),
+        (
+            "verl: split 64:64 async 0.5 (not reproducible)",
+            split,
+            verl_async.ASYNC.for_groups(groups),
+        ),
+        ("AReaL: split 64:64 eta 4 (not reproducible)", split, areal_async.ArealSchedule(4)),
+    ]
+    return [Run("policies", label, cost, p, workload, sched) for label, p, sched in rows]
+
+
+def _simulate(
+    cost: CostModel, placement: Placement, workload: Workload, schedule: object
+) -> Result:
+    """A run of Tandem's scheduler, or of the policy whose schedule `schedule` is."""
+    if isinstance(schedule, verl_async.VerlSchedule):
+        return verl_async.simulate(cost, placement, workload, schedule)
+    if isinstance(schedule, areal_async.ArealSchedule):
+        return areal_async.simulate(cost, placement, workload, schedule)
+    return simulate(cost, placement, workload, schedule)
+
+
 def run_all(runs: list[Run], workers: int = 2) -> list[Result]:
     """Each run's result, in order; the largest runs go first so that no process is left
     with one at the end."""
     args = [(r.cost, r.placement, r.workload, r.schedule) for r in runs]
     if workers <= 1:
-        return [simulate(*a) for a in args]
+        return [_simulate(*a) for a in args]
     order = sorted(
         range(len(runs)),
         key=lambda i: -runs[i].workload.num_steps * runs[i].workload.groups_per_step,
     )
     with ProcessPoolExecutor(workers) as pool:
-        results = list(pool.map(simulate, *zip(*(args[i] for i in order), strict=True)))
+        results = list(pool.map(_simulate, *zip(*(args[i] for i in order), strict=True)))
     by_index = dict(zip(order, results, strict=True))
     return [by_index[i] for i in range(len(runs))]
 
@@ -211,6 +258,39 @@ def _best_split(rows: list[tuple[Run, Result]]) -> tuple[Run, Result]:
         (row for row in rows if row[0].placement.kind == "split"),
         key=lambda row: row[1].steps_per_hour,
     )
+
+
+def policy_report(rows: list[tuple[Run, Result]]) -> str:
+    """Steps per hour and what they cost, over Tandem's synchronous row."""
+    base = rows[0][1].steps_per_hour
+    lines = []
+    for run, result in rows:
+        carry = "carry/stale_token_share" in result.steps[-1]
+        lines.append(
+            [
+                run.label,
+                f"{result.steps_per_hour:.1f}",
+                f"{result.steps_per_hour / base:.2f}x",
+                f"{result.rollout_idle:.2f}, {result.trainer_idle:.2f}",
+                _pct(result.reprefilled_tokens, result.generated_tokens),
+                f"{result.mean_after_first('carry/stale_token_share'):.2f}" if carry else "-",
+                (
+                    f"{result.mean_after_first('carry/trained_mean_tokens') / result.mean_after_first('carry/finished_mean_tokens'):.2f}"
+                    if carry
+                    else "-"
+                ),
+            ]
+        )
+    columns = [
+        "system: placement, mode",
+        "steps/hour>",
+        "over colocate k=0>",
+        "idle: rollout, trainer",
+        "prefixes prefilled again>",
+        "stale token share (carry)>",
+        "trained / finished mean length (carry)>",
+    ]
+    return "\n".join(_table(columns, lines))
 
 
 def gpu_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
@@ -420,6 +500,7 @@ SWEEPS = {
     "staleness": staleness_sweep,
     "abort": abort_sweep,
     "dynamic": dynamic_sampling_sweep,
+    "policies": policy_sweep,
 }
 
 
@@ -462,6 +543,8 @@ def main() -> None:
         sections["abort"], abort_series = abort_report(by_sweep["abort"], by_sweep["staleness"])
     if "dynamic" in by_sweep:
         sections["dynamic"], dynamic_series = dynamic_report(by_sweep["dynamic"])
+    if "policies" in by_sweep:
+        sections["policies"] = policy_report(by_sweep["policies"])
     if "calibration" in by_sweep:
         sections["calibration-median"] = (
             f"Fitted median response length: **{median} tokens** (sigma 1, cap 28,672)."

@@ -137,9 +137,7 @@ def in_flight_from_json(
             fields["finished_at"] = tuple(fields["finished_at"])
         groups.append(Group(samples=samples, **fields))
     carry = None if checked.carry is None else checked.carry.model_dump()
-    return InFlight(
-        checked.next_group_id, checked.admission, groups, checked.abort_every, carry
-    )
+    return InFlight(checked.next_group_id, checked.admission, groups, checked.abort_every, carry)
 
 
 def _sample_to_json(sample: Sample) -> dict:

@@ -223,4 +223,3 @@ class CarryOver:
         self.metrics = {int(step): dict(m) for step, m in state["metrics"].items()}
         self.backlog = [group for group in waiting if group.kept]
         self.unkept = [group for group in waiting if not group.kept]
-
