@@ -61,6 +61,12 @@ def reasoning(length: Callable | None = None, num_steps: int = 8, groups: int = 
 
 
 OVERLAP = Schedule(max_staleness=1, partial_rollout="interrupt")
+# partial_rollout "carry" in the comparisons: the abort point the policy sweep found best
+# (docs/scale.md, "Carry-over").
+CARRY_ABORT_EVERY = 2048
+SYNC_LABEL = "verl sync: colocate k=0"
+STREAM_LABEL = "verl streaming: split 64:64, verl's policy, staleness 0"
+ASYNC_LABEL = "verl async: split 64:64, verl's policy, staleness 0.5, partial rollout"
 
 
 def placements(gpus: int, tp: int) -> list[Placement]:
@@ -140,37 +146,49 @@ def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
 
 
 def policy_sweep(workload: Workload) -> list[Run]:
-    """Tandem's modes against verl's fully-async policy and AReaL's on the same 128 H100:
-    each system at its published setting (verl staleness 0.5 with partial rollouts, split
-    half and half; AReaL eta 4, split), Tandem's carry-over at its defaults and at a shorter
-    abort point with more groups in flight."""
-    cost, gpus = CostModel(H100, QWEN25_7B), 128
+    """Tandem's modes against verl's fully-async policy and AReaL's on the same H100
+    clusters, 8 to 512 GPUs: each system at its published setting (verl staleness 0.5 with
+    partial rollouts, split half and half; AReaL eta 4, split), Tandem's carry-over at an
+    abort point of CARRY_ABORT_EVERY with twice the groups in flight; at 128 GPUs also its
+    defaults and a longer abort point with more groups."""
+    cost = CostModel(H100, QWEN25_7B)
     workload = dataclasses.replace(workload, num_steps=10)
-    colocate, split = Placement.colocate(gpus), Placement.split(gpus, gpus // 2)
     groups = workload.groups_per_step
-    rows = [
-        ("Tandem: colocate k=0", colocate, Schedule(0)),
-        ("Tandem: colocate k=1 abort (auto)", colocate, Schedule(1, "abort")),
-        ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, OVERLAP),
-        ("Tandem: colocate k=1 carry (auto, 2x groups)", colocate, Schedule(1, "carry")),
-        (
-            "Tandem: colocate k=1 carry (4096, 3x groups)",
-            colocate,
-            Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
-        ),
-        (
-            "Tandem: split 64:64 k=1 carry (4096, 3x groups)",
-            split,
-            Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
-        ),
-        (
-            "verl: split 64:64 async 0.5 (not reproducible)",
-            split,
-            verl_async.ASYNC.for_groups(groups),
-        ),
-        ("AReaL: split 64:64 eta 4 (not reproducible)", split, areal_async.ArealSchedule(4)),
-    ]
-    return [Run("policies", label, cost, p, workload, sched) for label, p, sched in rows]
+    carry = Schedule(1, "carry", abort_every=CARRY_ABORT_EVERY, groups_in_flight=2 * groups)
+    runs = []
+    for gpus in (8, 32, 128, 512):
+        colocate, split = Placement.colocate(gpus), Placement.split(gpus, gpus // 2)
+        rows = [
+            ("Tandem: colocate k=0", colocate, Schedule(0)),
+            ("Tandem: colocate k=1 abort (auto)", colocate, Schedule(1, "abort")),
+            ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, OVERLAP),
+            (f"Tandem: colocate k=1 carry ({CARRY_ABORT_EVERY}, 2x groups)", colocate, carry),
+        ]
+        if gpus == 128:
+            rows += [
+                ("Tandem: colocate k=1 carry (auto, 2x groups)", colocate, Schedule(1, "carry")),
+                (
+                    "Tandem: colocate k=1 carry (4096, 3x groups)",
+                    colocate,
+                    Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
+                ),
+                (f"Tandem: split 64:64 k=1 carry ({CARRY_ABORT_EVERY}, 2x groups)", split, carry),
+            ]
+        rows += [
+            (
+                f"verl: split {split.rollout_gpus}:{split.trainer_gpus} async 0.5 "
+                "(not reproducible)",
+                split,
+                verl_async.ASYNC.for_groups(groups),
+            ),
+            (
+                f"AReaL: split {split.rollout_gpus}:{split.trainer_gpus} eta 4 (not reproducible)",
+                split,
+                areal_async.ArealSchedule(4),
+            ),
+        ]
+        runs += [Run("policies", label, cost, p, workload, sched) for label, p, sched in rows]
+    return runs
 
 
 def _simulate(
@@ -201,28 +219,41 @@ def run_all(runs: list[Run], workers: int = 2) -> list[Result]:
 
 
 def calibration_runs(median: int, sync: Result) -> list[Run]:
-    """verl's three configurations with the cost model as it is, then again with verl's own
-    trainer speeds (taken from `sync`, the synchronous baseline at the fitted median) beside
-    Tandem's own configurations."""
+    """verl's three configurations (its synchronous step on Tandem's scheduler at k = 0, its
+    streaming and fully-async steps on its own policy, sim.verl_async) with the cost model
+    as it is, then again with verl's own trainer speeds (taken from `sync`, the synchronous
+    baseline at the fitted median) beside Tandem's configurations and AReaL's policy."""
     baseline = verl.workload(median, num_steps=4, needs_annotation=True)
     overlapped = verl.workload(median, num_steps=8, needs_annotation=False)
     colocate, split = verl.SYNC_PLACEMENT, Placement.split(128, 64)
     anchor = [
-        ("verl sync: colocate k=0", colocate, baseline, Schedule(0)),
-        ("verl streaming: split 64:64 k=0", split, overlapped, Schedule(0)),
-        ("verl async: split 64:64 k=1 interrupt", split, overlapped, OVERLAP),
+        (SYNC_LABEL, colocate, baseline, Schedule(0)),
+        (STREAM_LABEL, split, overlapped, verl_async.STREAMING),
+        (ASYNC_LABEL, split, overlapped, verl_async.ASYNC),
     ]
+    groups = overlapped.groups_per_step
+    carry = Schedule(1, "carry", abort_every=CARRY_ABORT_EVERY, groups_in_flight=2 * groups)
     tandem = [
-        ("Tandem: colocate k=1 interrupt", colocate, overlapped, OVERLAP),
-        ("Tandem: colocate k=2 interrupt", colocate, overlapped, Schedule(2, "interrupt")),
-        ("Tandem: split 96:32 k=1 interrupt", Placement.split(128, 96), overlapped, OVERLAP),
-    ]
+        ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, overlapped, OVERLAP),
+        ("Tandem: split 96:32 k=1 interrupt (not reproducible)", Placement.split(128, 96),
+         overlapped, OVERLAP),
+        ("Tandem: colocate k=1 carry", colocate, overlapped, carry),
+        ("Tandem: split 64:64 k=1 carry", split, overlapped, carry),
+    ]  # fmt: skip
     fitted = verl.trainer_costs(sync)
     return [
         *(Run("calibration", label, verl.COST, p, w, s) for label, p, w, s in anchor),
         *(
             Run("calibration-trainer", label, fitted[p.kind], p, w, s)
             for label, p, w, s in anchor + tandem
+        ),
+        Run(
+            "calibration-trainer",
+            "AReaL: split 64:64 eta 4 (not reproducible)",
+            areal_async.split_trainer_cost(fitted),
+            split,
+            overlapped,
+            areal_async.ArealSchedule(4),
         ),
     ]
 
@@ -261,27 +292,32 @@ def _best_split(rows: list[tuple[Run, Result]]) -> tuple[Run, Result]:
 
 
 def policy_report(rows: list[tuple[Run, Result]]) -> str:
-    """Steps per hour and what they cost, over Tandem's synchronous row."""
-    base = rows[0][1].steps_per_hour
+    """Steps per hour and what they cost, each over Tandem's synchronous row of its cluster."""
     lines = []
+    base = 0.0
     for run, result in rows:
+        if run.label == "Tandem: colocate k=0":
+            base = result.steps_per_hour
         carry = "carry/stale_token_share" in result.steps[-1]
+        mean = result.mean_after_first
         lines.append(
             [
+                str(run.placement.gpus),
                 run.label,
                 f"{result.steps_per_hour:.1f}",
                 f"{result.steps_per_hour / base:.2f}x",
                 f"{result.rollout_idle:.2f}, {result.trainer_idle:.2f}",
                 _pct(result.reprefilled_tokens, result.generated_tokens),
-                f"{result.mean_after_first('carry/stale_token_share'):.2f}" if carry else "-",
+                f"{mean('carry/stale_token_share'):.2f}" if carry else "-",
                 (
-                    f"{result.mean_after_first('carry/trained_mean_tokens') / result.mean_after_first('carry/finished_mean_tokens'):.2f}"
+                    f"{mean('carry/trained_mean_tokens') / mean('carry/finished_mean_tokens'):.2f}"
                     if carry
                     else "-"
                 ),
             ]
         )
     columns = [
+        "H100s>",
         "system: placement, mode",
         "steps/hour>",
         "over colocate k=0>",
@@ -410,14 +446,14 @@ def calibration_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     sync = rows[0][1]
     step_s = {run.label: 3600 / res.steps_per_hour for run, res in rows}
     published = {
-        "verl sync: colocate k=0": verl.SYNC_STEP_S,
-        "verl streaming: split 64:64 k=0": verl.STREAM_STEP_S,
-        "verl async: split 64:64 k=1 interrupt": verl.ASYNC_STEP_S,
+        SYNC_LABEL: verl.SYNC_STEP_S,
+        STREAM_LABEL: verl.STREAM_STEP_S,
+        ASYNC_LABEL: verl.ASYNC_STEP_S,
     }
     steps = []
     for label, seconds in step_s.items():
         theirs = published.get(label)
-        speedup = step_s["verl sync: colocate k=0"] / seconds
+        speedup = step_s[SYNC_LABEL] / seconds
         steps.append([
             label, f"{seconds:.0f}", f"{theirs:.0f}" if theirs else "-",
             f"{100 * (seconds / theirs - 1):+.0f}%" if theirs else "-", f"{speedup:.2f}x",

@@ -62,3 +62,25 @@ def test_split_placements_keep_the_engines_whole() -> None:
         "split 6:2",
     ]
     assert [p.label() for p in simulate.placements(4, tp=4)] == ["colocate"]
+
+
+def test_the_policy_sweep_runs_each_system_on_its_own_policy_and_reports_against_sync() -> None:
+    """Tandem's rows run its scheduler, verl's and AReaL's their own policies (each Result's
+    step metrics say which: carry's bias metrics, verl's wait for samples); every cluster's
+    rows are reported over its own synchronous row."""
+    workload = dataclasses.replace(small(num_steps=5), groups_per_step=16)  # verl: 16 batches
+    runs = [
+        dataclasses.replace(r, workload=dataclasses.replace(r.workload, num_steps=5))
+        for r in simulate.policy_sweep(workload)
+        if r.placement.gpus == 8
+    ]
+    results = simulate.run_all(runs, workers=1)
+    for run, result in zip(runs, results, strict=True):
+        assert ("carry/stale_token_share" in result.steps[-1]) == ("carry" in run.label)
+        assert ("perf/wait_s" in result.steps[-1]) == run.label.startswith(("verl", "AReaL"))
+    table = simulate.policy_report(list(zip(runs, results, strict=True)))
+    rows = [line.split("|") for line in table.splitlines()[2:]]
+    assert len(rows) == len(runs)
+    sync = results[0].steps_per_hour
+    for row, result in zip(rows, results, strict=True):
+        assert row[4].strip() == f"{result.steps_per_hour / sync:.2f}x"
