@@ -93,11 +93,12 @@ class SchedulerConfig(Section):
     )
     abort_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
-        description="partial_rollout abort: the response tokens such a sample generates under "
-        "one policy version before it waits for the next (a deterministic abort point). auto: "
-        "the 95th percentile of the response lengths of the step last synced "
-        "(rollout.max_new_tokens until the first sync), so that only the long tail stops "
-        "(docs/scale.md, 'Abort points').",
+        description="partial_rollout abort and carry: the response tokens such a sample "
+        "generates under one policy version before it waits for the next (a deterministic "
+        "abort point). auto: a percentile of the response lengths of the step last synced "
+        "(rollout.max_new_tokens until the first sync): under abort the 95th, so that only the "
+        "long tail stops (docs/scale.md, 'Abort points'); under carry the 50th, an epoch about "
+        "a typical response long (docs/scale.md, 'Carry-over').",
     )
 
     @property

@@ -429,7 +429,7 @@ class Scheduler:
         kept = self._kept(step)
         if self.settings.abort_every == "auto" and kept:
             lengths = [len(sample.response_ids) for group in kept for sample in group.samples]
-            self._next_abort_every = abort_point(lengths)
+            self._next_abort_every = abort_point(lengths, carry=self.carry is not None)
         finished = sorted(self._finished.pop(step, []), key=lambda group: group.group_id)
         reward_calls = [(group.reward_metrics, len(group.samples)) for group in finished]
         self._step_metrics[step] = {
@@ -555,10 +555,15 @@ class Scheduler:
             self._trained(*payload, result)
 
 
-def abort_point(lengths: list[int]) -> int:
-    """partial_rollout "abort" with abort_every "auto": the 95th percentile (nearest rank) of
-    a step's response lengths. Only the longest responses reach it, so the others finish
-    under the version they started with, and the few that stop are the ones a sync would
-    otherwise wait for (docs/scale.md, "Abort points")."""
+def abort_point(lengths: list[int], carry: bool = False) -> int:
+    """abort_every "auto": a percentile (nearest rank) of a step's response lengths.
+
+    partial_rollout "abort": the 95th. Only the longest responses reach it, so the others
+    finish under the version they started with, and the few that stop are the ones a sync
+    would otherwise wait for (docs/scale.md, "Abort points").
+    partial_rollout "carry": the 50th. There the abort point is an epoch's length, and a
+    boundary selects one step: epochs as long as a typical response give a step about one
+    response's time, where the tail's would hold every step to the tail's pace (the sweep in
+    docs/scale.md, "Carry-over")."""
     ordered = sorted(lengths)
-    return max(1, ordered[math.ceil(0.95 * len(ordered)) - 1])
+    return max(1, ordered[math.ceil((0.5 if carry else 0.95) * len(ordered)) - 1])

@@ -482,3 +482,18 @@ def test_carry_resumed_at_any_sync_continues_exactly(k: int) -> None:
         assert resumed_outcome["trained"] == original["trained"]
         first_new = scheduler.states[step]["next_group_id"]
         assert resumed[0].drawn == [g for g in scheduler.drawn if g >= first_new]
+
+
+def test_carry_auto_abort_points_are_the_last_pushed_steps_median_and_runs_replay() -> None:
+    runs = [
+        _run(seed, 1, "carry", dynamic=False, annotate=False, abort_every="auto")
+        for seed in (1, 2, 3)
+    ]
+    outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    scheduler, rollout, trainer, logged = runs[0]
+    for step, metrics in logged:
+        lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
+        expected = int(np.percentile(lengths, 50, method="inverted_cdf"))
+        assert scheduler.states[step]["abort_every"] == metrics["rollout/abort_every"] == expected
+    assert rollout.aborted_prefixes, "no sample reached an auto abort point"
