@@ -346,19 +346,20 @@ def _describe_overlap(cfg: Config) -> str:
         how = f"{correction} against proximal log-probs taken from the training forward"
     else:
         how = f"{correction} against proximal log-probs recomputed by a trainer pass"
-    partial = cfg.scheduler.partial_rollout
-    if partial == "carry":
-        sched = cfg.scheduler
+    sched = cfg.scheduler
+    partial = sched.partial_rollout
+    if sched.partial_rollout in ("abort", "carry"):
+        percentile = "median" if sched.partial_rollout == "carry" else "95th percentile"
         partial += (
-            f" (each step the first groups to finish; tokens at most {sched.max_token_age} "
-            f"versions old, at most {sched.max_stale_share:g} of them over {k})"
+            f" at the {percentile} of the last synced step's response lengths"
+            if sched.abort_every == "auto"
+            else f" every {sched.abort_every} tokens"
         )
-    if partial in ("abort", "carry"):
-        every = cfg.scheduler.abort_every
+    if sched.partial_rollout == "carry":
         partial += (
-            " at the 95th percentile of the last synced step's response lengths"
-            if every == "auto"
-            else f" every {every} tokens"
+            f", each step the first of {sched.groups_in_flight or 2 * cfg.run.prompts_per_step} "
+            f"groups in flight to finish; tokens at most {sched.max_token_age} versions old, "
+            f"at most {sched.max_stale_share:g} of them over {k}"
         )
     return (
         f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "

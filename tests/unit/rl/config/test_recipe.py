@@ -268,6 +268,14 @@ def test_the_run_summary_says_where_abort_points_are() -> None:
     fixed = dry_run_report(load_config(recipe, [*overlap, "scheduler.abort_every=4"]), recipe)
     assert "partial_rollout=abort at the 95th percentile of the last synced step's" in auto
     assert "partial_rollout=abort every 4 tokens" in fixed
+    carry = ["scheduler.partial_rollout=carry", "scheduler.max_stale_share=0.25"]
+    report = dry_run_report(load_config(recipe, carry), recipe)
+    # The demo's 64 prompts a step: twice that in flight by default.
+    assert (
+        "partial_rollout=carry at the median of the last synced step's response lengths, each "
+        "step the first of 128 groups in flight to finish; tokens at most 4 versions old, at "
+        "most 0.25 of them over 1"
+    ) in report
 
 
 def test_carry_over_is_refused_with_uncorrected_stale_samples_or_an_age_bound_below_k() -> None:
