@@ -79,6 +79,7 @@ class _GroupRecord(_Record):
 class _CarryRecord(_Record):
     epoch: int = Field(ge=0)
     num_selected: int = Field(ge=0)
+    num_scored: int = Field(ge=0)
     selected_by_boundary: list[int] = Field(min_length=2, max_length=2)
     metrics: dict[str, dict[str, float]]
 

@@ -9,7 +9,7 @@ so they round-trip through jsonl.
 from __future__ import annotations
 
 # Imported for their registration in TASKS.
-from rl.data.tasks import addition, countdown, math_answers  # noqa: F401
+from rl.data.tasks import addition, countdown, math_answers, repeat  # noqa: F401
 from rl.data.tasks.task import TASKS, Task
 
 __all__ = ["TASKS", "Task", "get_task"]

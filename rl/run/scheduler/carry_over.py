@@ -14,7 +14,9 @@ which worker answered first.
 
 At each boundary (`close_epoch`):
 1. The groups finished and kept but not trained yet (the backlog) go in clock order. The next
-   step takes the first `groups_per_step` of them that fit both bounds:
+   step takes the first `groups_per_step` of them that fit both bounds (under dynamic
+   sampling, once `max_groups_per_step` groups were scored since the last step, the kept
+   ones it has):
    - no trained token is more than `max_token_age` versions old (a group past it can only get
      older: it is dropped, counted in carry/dropped_groups);
    - at most `max_stale_share` of the step's trained tokens are more than `max_staleness`
@@ -68,11 +70,16 @@ class CarryOver:
     max_staleness: int  # tokens older than this are stale
     max_stale_share: float
     max_token_age: int
+    # Dynamic sampling (None: off): once this many groups were scored since the last step was
+    # selected (kept or not), the next step takes the kept ones it has, as a step-tied one
+    # does when its redraws are spent.
+    max_groups_per_step: int | None
     epoch: int = 0  # epochs opened so far
     num_selected: int = 0  # steps given their groups so far
     # Per boundary, the steps selected by then: the versions epochs sample with follow it.
     selected_by_boundary: list[int] = field(default_factory=lambda: [0, 0])
     backlog: list[Group] = field(default_factory=list)  # finished, kept, not selected
+    num_scored: int = 0  # groups scored since the last step was selected
     unkept: list[Group] = field(default_factory=list)  # finished, not kept, not counted yet
     # What each selected step's groups looked like when selected (the bias streaming has),
     # until the step trains: rl/observe's metric names, "carry/...".
@@ -87,6 +94,7 @@ class CarryOver:
         set)."""
         assert group.finished_at is not None and group.finished_at[0] == self.epoch
         (self.backlog if group.kept else self.unkept).append(group)
+        self.num_scored += 1
 
     def close_epoch(self, in_flight: list[Group]) -> Selection:
         """The boundary after the current epoch: select the next step's groups (module
@@ -94,7 +102,7 @@ class CarryOver:
         stopped partial, which continue in the next epoch unless dropped."""
         dropped: list[Group] = []
         step = self.num_selected + 1
-        batch: list[Group] = []
+        batch: list[Group] | None = None
         if step <= self.num_steps:
             fits = []
             for group in sorted(self.backlog, key=lambda g: (g.finished_at, g.group_id)):
@@ -103,12 +111,16 @@ class CarryOver:
                     dropped.append(group)
                 else:
                     fits.append(group)
-            batch = self._within_share(fits, step)
-        chosen = {id(group) for group in batch} | {id(group) for group in dropped}
+            cap = self.max_groups_per_step
+            batch = self._within_share(fits, step, cap is not None and self.num_scored >= cap)
+        chosen = {id(group) for group in [*(batch or []), *dropped]}
         self.backlog = [group for group in self.backlog if id(group) not in chosen]
         unkept: list[Group] = []
-        if batch:
-            self.num_selected = step
+        selected = batch is not None
+        if batch is None:
+            batch = []
+        else:
+            self.num_selected, self.num_scored = step, 0
             unkept, self.unkept = self.unkept, []
             for group in [*batch, *unkept]:
                 group.step = step
@@ -119,15 +131,17 @@ class CarryOver:
             if max(token_ages(group, later), default=0) > self.max_token_age:
                 dropped.append(group)
         self.selected_by_boundary = [*self.selected_by_boundary[1:], self.num_selected]
-        return Selection(step if batch else None, batch, unkept, dropped)
+        return Selection(step if selected else None, batch, unkept, dropped)
 
-    def _within_share(self, fits: list[Group], step: int) -> list[Group]:
+    def _within_share(self, fits: list[Group], step: int, spent: bool) -> list[Group] | None:
         """The first groups_per_step of `fits` (in clock order); while more than
         max_stale_share of their tokens are stale, the last group with stale tokens gives its
-        place to the next group without any. Empty if there are not enough groups."""
-        if len(fits) < self.groups_per_step:
-            return []
-        batch, rest = fits[: self.groups_per_step], fits[self.groups_per_step :]
+        place to the next group without any. None if there are not enough groups, unless
+        the step's draws are `spent`: then as many as there are, within the share."""
+        size = min(self.groups_per_step, len(fits)) if spent else self.groups_per_step
+        if len(fits) < size:
+            return None
+        batch, rest = fits[:size], fits[size:]
 
         def stale(groups: list[Group]) -> tuple[int, int]:
             ages = [age for group in groups for age in token_ages(group, step)]
@@ -136,7 +150,10 @@ class CarryOver:
         while (counts := stale(batch))[0] > self.max_stale_share * counts[1]:
             fresh = next((group for group in rest if not stale([group])[0]), None)
             if fresh is None:
-                return []
+                if not spent:
+                    return None
+                batch.remove([group for group in batch if stale([group])[0]][-1])
+                continue
             batch.remove([group for group in batch if stale([group])[0]][-1])
             rest.remove(fresh)
             batch.append(fresh)
@@ -157,10 +174,10 @@ class CarryOver:
         ]
         ages = [age for group in batch for age in token_ages(group, step)]
         return {
-            "carry/trained_mean_tokens": sum(trained) / len(trained),
+            "carry/trained_mean_tokens": sum(trained) / max(len(trained), 1),
             "carry/finished_mean_tokens": sum(closed) / max(len(closed), 1),
             "carry/carried_groups": sum(g.finished_at[0] > g.start_epoch for g in batch)
-            / len(batch),
+            / max(len(batch), 1),
             "carry/stale_token_share": sum(age > self.max_staleness for age in ages)
             / max(len(ages), 1),
             "carry/max_token_age": float(max(ages, default=0)),
@@ -211,6 +228,7 @@ class CarryOver:
         return {
             "epoch": self.epoch,
             "num_selected": self.num_selected,
+            "num_scored": self.num_scored,
             "selected_by_boundary": self.selected_by_boundary,
             "metrics": {str(step): metrics for step, metrics in self.metrics.items()},
         }
@@ -219,6 +237,7 @@ class CarryOver:
         """`waiting`: the checkpoint's finished groups no step has selected yet."""
         self.epoch = int(state["epoch"])
         self.num_selected = int(state["num_selected"])
+        self.num_scored = int(state["num_scored"])
         self.selected_by_boundary = [int(n) for n in state["selected_by_boundary"]]
         self.metrics = {int(step): dict(m) for step, m in state["metrics"].items()}
         self.backlog = [group for group in waiting if group.kept]

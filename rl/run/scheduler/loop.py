@@ -147,6 +147,7 @@ class Scheduler:
                 settings.max_staleness,
                 settings.max_stale_share,
                 settings.max_token_age,
+                settings.max_groups_per_step if settings.dynamic_sampling else None,
             )
         if in_flight is not None:
             self._num_groups = in_flight.next_group_id

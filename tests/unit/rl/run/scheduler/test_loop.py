@@ -430,7 +430,12 @@ def test_carry_trains_the_same_groups_and_tokens_under_any_timing_within_both_bo
         seen: set[tuple[int, int]] = set()
         carried = 0
         for step, samples in trainer.trained.items():
-            assert len(samples) == 3 * 2  # groups_per_step x group_size, whatever finished first
+            # groups_per_step x group_size, whatever finished first; with dynamic sampling
+            # fewer once 6 groups (its draws) were scored since the last step took its own.
+            if dynamic:
+                assert len(samples) <= 3 * 2
+            else:
+                assert len(samples) == 3 * 2
             ages = _token_ages(samples, step)
             # Both bounds, on every trained token: the age, and the share older than k.
             assert max(ages) <= 3
