@@ -61,12 +61,15 @@ def reasoning(length: Callable | None = None, num_steps: int = 8, groups: int = 
 
 
 OVERLAP = Schedule(max_staleness=1, partial_rollout="interrupt")
-# partial_rollout "carry" in the comparisons: the abort point the policy sweep found best
-# (docs/scale.md, "Carry-over").
-CARRY_ABORT_EVERY = 2048
+
 SYNC_LABEL = "verl sync: colocate k=0"
 STREAM_LABEL = "verl streaming: split 64:64, verl's policy, staleness 0"
 ASYNC_LABEL = "verl async: split 64:64, verl's policy, staleness 0.5, partial rollout"
+
+
+def carry(k: int, groups: int, pool: int) -> Schedule:
+    """partial_rollout "carry" at its automatic abort point, `pool` steps' groups in flight."""
+    return Schedule(k, "carry", groups_in_flight=pool * groups)
 
 
 def placements(gpus: int, tp: int) -> list[Placement]:
@@ -148,41 +151,36 @@ def dynamic_sampling_sweep(workload: Workload) -> list[Run]:
 def policy_sweep(workload: Workload) -> list[Run]:
     """Tandem's modes against verl's fully-async policy and AReaL's on the same H100
     clusters, 8 to 512 GPUs: each system at its published setting (verl staleness 0.5 with
-    partial rollouts, split half and half; AReaL eta 4, split), Tandem's carry-over at an
-    abort point of CARRY_ABORT_EVERY with twice the groups in flight; at 128 GPUs also its
-    defaults and a longer abort point with more groups."""
+    partial rollouts, split half and half; AReaL eta 4, split), Tandem's carry-over at k = 2
+    with three steps' groups in flight; at 128 GPUs also carry-over at its defaults (twice
+    the groups) at k = 1 and 2, and split."""
     cost = CostModel(H100, QWEN25_7B)
     workload = dataclasses.replace(workload, num_steps=10)
     groups = workload.groups_per_step
-    carry = Schedule(1, "carry", abort_every=CARRY_ABORT_EVERY, groups_in_flight=2 * groups)
     runs = []
     for gpus in (8, 32, 128, 512):
         colocate, split = Placement.colocate(gpus), Placement.split(gpus, gpus // 2)
+        halves = f"{split.rollout_gpus}:{split.trainer_gpus}"
         rows = [
             ("Tandem: colocate k=0", colocate, Schedule(0)),
-            ("Tandem: colocate k=1 abort (auto)", colocate, Schedule(1, "abort")),
+            ("Tandem: colocate k=1 abort", colocate, Schedule(1, "abort")),
             ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, OVERLAP),
-            (f"Tandem: colocate k=1 carry ({CARRY_ABORT_EVERY}, 2x groups)", colocate, carry),
+            ("Tandem: colocate k=2 carry, 3x groups", colocate, carry(2, groups, 3)),
         ]
         if gpus == 128:
             rows += [
-                ("Tandem: colocate k=1 carry (auto, 2x groups)", colocate, Schedule(1, "carry")),
-                (
-                    "Tandem: colocate k=1 carry (4096, 3x groups)",
-                    colocate,
-                    Schedule(1, "carry", abort_every=4096, groups_in_flight=3 * groups),
-                ),
-                (f"Tandem: split 64:64 k=1 carry ({CARRY_ABORT_EVERY}, 2x groups)", split, carry),
+                ("Tandem: colocate k=1 carry, 2x groups", colocate, carry(1, groups, 2)),
+                ("Tandem: colocate k=2 carry, 2x groups", colocate, carry(2, groups, 2)),
+                (f"Tandem: split {halves} k=2 carry, 3x groups", split, carry(2, groups, 3)),
             ]
         rows += [
             (
-                f"verl: split {split.rollout_gpus}:{split.trainer_gpus} async 0.5 "
-                "(not reproducible)",
+                f"verl: split {halves} async 0.5 (not reproducible)",
                 split,
                 verl_async.ASYNC.for_groups(groups),
             ),
             (
-                f"AReaL: split {split.rollout_gpus}:{split.trainer_gpus} eta 4 (not reproducible)",
+                f"AReaL: split {halves} eta 4 (not reproducible)",
                 split,
                 areal_async.ArealSchedule(4),
             ),
@@ -232,13 +230,13 @@ def calibration_runs(median: int, sync: Result) -> list[Run]:
         (ASYNC_LABEL, split, overlapped, verl_async.ASYNC),
     ]
     groups = overlapped.groups_per_step
-    carry = Schedule(1, "carry", abort_every=CARRY_ABORT_EVERY, groups_in_flight=2 * groups)
     tandem = [
         ("Tandem: colocate k=1 interrupt (not reproducible)", colocate, overlapped, OVERLAP),
         ("Tandem: split 96:32 k=1 interrupt (not reproducible)", Placement.split(128, 96),
          overlapped, OVERLAP),
-        ("Tandem: colocate k=1 carry", colocate, overlapped, carry),
-        ("Tandem: split 64:64 k=1 carry", split, overlapped, carry),
+        ("Tandem: colocate k=1 carry, 2x groups", colocate, overlapped, carry(1, groups, 2)),
+        ("Tandem: colocate k=2 carry, 3x groups", colocate, overlapped, carry(2, groups, 3)),
+        ("Tandem: split 64:64 k=2 carry, 3x groups", split, overlapped, carry(2, groups, 3)),
     ]  # fmt: skip
     fitted = verl.trainer_costs(sync)
     return [

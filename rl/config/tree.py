@@ -304,7 +304,9 @@ class BaseBuildConfig(Section):
 
 
 class DataConfig(Section):
-    task: str = Field("addition", description="Task name from rl.data.tasks (addition, countdown).")
+    task: str = Field(
+        "addition", description="Task name from rl.data.tasks (addition, countdown, math, repeat)."
+    )
     dir: str = Field(
         ".cache/data", description="Where generated train/test jsonl splits are written and read."
     )

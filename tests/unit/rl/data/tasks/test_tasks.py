@@ -12,8 +12,8 @@ from rl.data.tasks.countdown import evaluate_expression
 
 
 def test_registry_lists_valid_names() -> None:
-    assert TASKS.names() == ["addition", "countdown", "math"]
-    with pytest.raises(ValueError, match="addition, countdown, math"):
+    assert TASKS.names() == ["addition", "countdown", "math", "repeat"]
+    with pytest.raises(ValueError, match="addition, countdown, math, repeat"):
         get_task("subtraction")
 
 
