@@ -124,7 +124,7 @@ class CarryOver:
             unkept, self.unkept = self.unkept, []
             for group in [*batch, *unkept]:
                 group.step = step
-            self.metrics[step] = self._metrics(step, batch, dropped, in_flight)
+            self.metrics[step] = self._metrics(step, [*batch, *unkept], dropped, in_flight)
         # The next step a group still generating could join; past the age bound there, never.
         later = self.num_selected + 1
         for group in in_flight:
@@ -160,15 +160,17 @@ class CarryOver:
         return batch
 
     def _metrics(
-        self, step: int, batch: list[Group], dropped: list[Group], in_flight: list[Group]
+        self, step: int, counted: list[Group], dropped: list[Group], in_flight: list[Group]
     ) -> dict[str, float]:
         """Streaming favours short responses: the mean length of the samples trained against
         that of every sample finished in the epoch that just closed, how many trained groups
-        were carried over from an earlier epoch, and the age of the trained tokens."""
+        were carried over from an earlier epoch, and the age of the trained tokens.
+        `counted`: the step's groups, kept (its batch) or not."""
+        batch = [group for group in counted if group.kept]
         trained = [len(s.response_ids) for group in batch for s in group.samples]
         closed = [
             len(s.response_ids)
-            for group in [*batch, *self.backlog, *self.unkept, *dropped]
+            for group in [*counted, *self.backlog, *dropped]
             if group.finished_at is not None and group.finished_at[0] == self.epoch
             for s in group.samples
         ]

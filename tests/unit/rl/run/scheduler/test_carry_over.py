@@ -78,12 +78,16 @@ def test_with_dynamic_sampling_a_step_takes_what_it_kept_once_its_draws_are_spen
     carry = _carry(max_groups_per_step=4)
     _finish(carry, _group(0, [0], (1, 1)), _group(1, [0], (1, 2), kept=False))
     assert carry.close_epoch([]).step is None  # 2 of 4 draws scored
-    _finish(carry, _group(2, [0], (2, 1), kept=False), _group(3, [0], (2, 2), kept=False))
+    _finish(carry, _group(2, [0] * 3, (2, 3), kept=False), _group(3, [0], (2, 1), kept=False))
     selection = carry.close_epoch([])
     assert selection.step == 1
     assert [g.group_id for g in selection.batch] == [0]
     assert [g.group_id for g in selection.unkept] == [1, 2, 3]  # counted in step 1
     assert carry.num_scored == 0
+    # Trained: group 0's 1 token; finished in the epoch that closed: groups 2 and 3.
+    metrics = carry.metrics[1]
+    assert metrics["carry/trained_mean_tokens"] == 1.0
+    assert metrics["carry/finished_mean_tokens"] == (3 + 1) / 2
 
 
 def test_epochs_sample_with_the_steps_selected_one_boundary_earlier_at_k_one() -> None:
