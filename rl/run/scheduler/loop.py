@@ -26,8 +26,14 @@ follow from the configuration and the seed, never from which future finished fir
   partial_rollout "interrupt" is the exception, kept for speed: a sync that comes due aborts
   what is generating wherever it is (RolloutPort.interrupt), so it never waits, and where
   samples stop, hence what is trained, depends on timing.
+partial_rollout "carry" (rl.run.scheduler.carry_over) ties no group to a step when it starts:
+generation runs in epochs whose segments all stop at abort points, and at each boundary
+(nothing generating or scored) the next step takes the first groups to finish on a token
+clock, within a bound on every token's age and on the share of stale tokens; the version the
+next epoch samples with is pushed there, and fresh groups start there (`_boundary_if_due`).
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
-admission's counts) is what a checkpoint records, so a resumed run continues exactly.
+admission's counts, or under "carry" its bookkeeping) is what a checkpoint records, so a
+resumed run continues exactly.
 What the scheduler does not decide can still depend on timing: a reward function, tool call
 or environment request that runs past its wall-clock timeout (`reward.timeout_s`,
 `agent.tool_timeout_s`, `agent.env_timeout_s`) fails where a faster run's would not; each step
