@@ -19,7 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rl.config import PartialRollout
+from rl.config import PartialRollout, SchedulerConfig
+from rl.config.tree import groups_in_flight
 from rl.observe.trace import Trace, covered_seconds
 from rl.run.scheduler.loop import Scheduler
 from rl.run.scheduler.ports import Settings
@@ -79,9 +80,10 @@ class Schedule:
     # percentile of the last synced step's lengths)
     abort_every: int | Literal["auto"] = "auto"
     dynamic_sampling_rounds: int = 0  # 0: off
-    # partial_rollout "carry": the bounds and the groups kept live (0: 2 x groups_per_step)
-    max_token_age: int = 4
-    max_stale_share: float = 0.5
+    # partial_rollout "carry": the bounds and the groups kept live (0: 2 x groups_per_step),
+    # by default the config's
+    max_token_age: int = SchedulerConfig.model_fields["max_token_age"].default
+    max_stale_share: float = SchedulerConfig.model_fields["max_stale_share"].default
     groups_in_flight: int = 0
 
     def label(self) -> str:
@@ -284,7 +286,7 @@ def simulate(
         max_rollout_restarts=0,
         max_token_age=schedule.max_token_age,
         max_stale_share=schedule.max_stale_share,
-        groups_in_flight=schedule.groups_in_flight or 2 * workload.groups_per_step,
+        groups_in_flight=groups_in_flight(schedule.groups_in_flight, workload.groups_per_step),
     )
     # The trace's lanes stand for one device each: the simulation measures its GPUs itself.
     lanes = {f"rollout-{i}": [i] for i in range(num_engines)}

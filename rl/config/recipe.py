@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from rl.config import Config
 from rl.config.checks import ConfigError, check_consistency
 from rl.config.safetensors_files import checkpoint_tensors
+from rl.config.tree import groups_in_flight
 
 
 def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
@@ -356,8 +357,9 @@ def _describe_overlap(cfg: Config) -> str:
             else f" every {sched.abort_every} tokens"
         )
     if sched.partial_rollout == "carry":
+        live = groups_in_flight(sched.groups_in_flight, cfg.run.prompts_per_step)
         partial += (
-            f", each step the first of {sched.groups_in_flight or 2 * cfg.run.prompts_per_step} "
+            f", each step the first of {live} "
             f"groups in flight to finish; tokens at most {sched.max_token_age} versions old, "
             f"at most {sched.max_stale_share:g} of them over {k}"
         )

@@ -115,6 +115,11 @@ class SchedulerConfig(Section):
         return self.max_staleness >= 1
 
 
+def groups_in_flight(configured: int, groups_per_step: int) -> int:
+    """scheduler.groups_in_flight, where 0 means twice the groups a step trains."""
+    return configured or 2 * groups_per_step
+
+
 class RunConfig(Section):
     name: str = Field("run", description="Run name (directory under output_dir, wandb run name).")
     output_dir: str = Field("runs", description="Parent of run directories.")

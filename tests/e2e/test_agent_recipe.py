@@ -1,6 +1,7 @@
 """The agent recipe end to end, with fewer steps: its base built from tool-use demonstrations,
 multi-turn GRPO with the sandboxed python tool while the next step's episodes overlap training
-(aborted at each sync and resumed), then `rl generate` and `rl eval` running episodes."""
+(aborted at each sync and resumed), then `rl generate` and `rl eval` running episodes, and
+the same base trained with partial_rollout carry (episodes stopped mid-turn, carried over)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,20 @@ def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
                     "--max-new-tokens", "96")  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     assert "greedy accuracy" in evaluated.stdout and "over 3 prompts" in evaluated.stdout
+
+    # Carried over: episodes stop every 16 tokens, mid-turn, and continue in a later epoch
+    # under a newer version; the steps take the episodes that finish first.
+    carried = run_rl(
+        "train", RECIPE, *overrides, "run.name=agent-carry", "run.num_steps=2",
+        "run.eval_every=0", "scheduler.partial_rollout=carry", "scheduler.abort_every=16",
+    )  # fmt: skip
+    assert carried.returncode == 0, carried.stderr[-4000:]
+    carry_dir = tmp_path / "runs" / "agent-carry"
+    lines = (carry_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines][1:]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert record["agent/tool_calls_mean"] > 0.5 and record["agent/turns_mean"] > 1.5
+        assert record["carry/max_token_age"] <= 4
+    # Episodes that finished an epoch after they began: stopped mid-turn and continued.
+    assert max(r["carry/carried_groups"] for r in steps) > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rl.config import Config, PartialRollout
+from rl.config.tree import groups_in_flight
 from rl.types import Sample, SamplingParams
 
 
@@ -36,9 +37,9 @@ class Settings:
     # Rollout workers lost in a run (generating or receiving weights) before it fails.
     max_rollout_restarts: int
     # partial_rollout "carry" (rl.run.scheduler.carry_over): the bounds, and the groups kept live.
-    max_token_age: int = 0
-    max_stale_share: float = 0.0
-    groups_in_flight: int = 0
+    max_token_age: int
+    max_stale_share: float
+    groups_in_flight: int
 
     @classmethod
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:
@@ -57,7 +58,7 @@ class Settings:
             max_rollout_restarts=config.faults.max_rollout_restarts,
             max_token_age=sched.max_token_age,
             max_stale_share=sched.max_stale_share,
-            groups_in_flight=sched.groups_in_flight or 2 * config.run.prompts_per_step,
+            groups_in_flight=groups_in_flight(sched.groups_in_flight, config.run.prompts_per_step),
         )
 
 
