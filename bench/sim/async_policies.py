@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rl.observe.trace import covered_seconds
 from rl.types import Sample, SamplingParams, fresh_samples
 from sim.clock import SimClock
-from sim.cluster import Placement, Result, SimTrainer, Workload
+from sim.cluster import Placement, Result, SimTrainer, Workload, kv_capacity_ids
 from sim.costs import CostModel
 from sim.engine import SimEngine, SimRollout
 
@@ -65,12 +65,7 @@ class SplitCluster:
         self.cost, self.placement, self.workload = cost, placement, workload
         self.tpi = tpi = workload.tokens_per_id
         self.clock = SimClock()
-        capacity = cost.kv_capacity_tokens() // tpi
-        if capacity * tpi < workload.prompt_tokens + workload.max_tokens:
-            raise ValueError(
-                f"an engine's KV cache holds {capacity * tpi} tokens, less than one sample "
-                f"({workload.prompt_tokens} + {workload.max_tokens})"
-            )
+        capacity = kv_capacity_ids(cost, workload)
         num_engines = placement.rollout_gpus // cost.model.tp
         assert num_engines >= 1, (placement, cost.model.tp)
         self.engines = [

@@ -226,6 +226,19 @@ class SimScorer:
         return self.clock.done((scores, {}))
 
 
+def kv_capacity_ids(cost: CostModel, workload: Workload, trainer_sharing: int = 0) -> int:
+    """An engine's KV cache in simulated ids, beside a trainer sharded over `trainer_sharing`
+    GPUs it shares (0: none); ValueError if one sample would not fit."""
+    tpi = workload.tokens_per_id
+    capacity = cost.kv_capacity_tokens(trainer_sharing) // tpi
+    if capacity * tpi < workload.prompt_tokens + workload.max_tokens:
+        raise ValueError(
+            f"an engine's KV cache holds {capacity * tpi} tokens, less than one sample "
+            f"({workload.prompt_tokens} + {workload.max_tokens})"
+        )
+    return capacity
+
+
 def simulate(
     cost: CostModel, placement: Placement, workload: Workload, schedule: Schedule
 ) -> Result:
@@ -234,13 +247,7 @@ def simulate(
     tpi = workload.tokens_per_id
     time_sliced = placement.kind == "colocate" and schedule.max_staleness == 0
     shares_gpus = placement.kind == "colocate" and not time_sliced
-    trainer_sharing = placement.trainer_gpus if shares_gpus else 0
-    capacity = cost.kv_capacity_tokens(trainer_sharing) // tpi
-    if capacity * tpi < workload.prompt_tokens + workload.max_tokens:
-        raise ValueError(
-            f"an engine's KV cache holds {capacity * tpi} tokens, less than one sample "
-            f"({workload.prompt_tokens} + {workload.max_tokens})"
-        )
+    capacity = kv_capacity_ids(cost, workload, placement.trainer_gpus if shares_gpus else 0)
     num_engines = placement.rollout_gpus // cost.model.tp
     assert num_engines >= 1, (placement, cost.model.tp)
     busy_engines = 0

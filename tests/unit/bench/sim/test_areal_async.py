@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from tests.unit.bench.bench_modules import bench_import
+from tests.unit.bench.sim.workloads import exact
 
 cluster = bench_import("sim.cluster")
 costs = bench_import("sim.costs")
@@ -19,16 +20,6 @@ areal_async = bench_import("sim.areal_async")
 COST = costs.CostModel(costs.H100, costs.QWEN25_7B)
 SPLIT = cluster.Placement.split(2, 1)  # one engine, one trainer GPU
 SLOW = dataclasses.replace(COST, eff=dataclasses.replace(COST.eff, train_mfu=0.002))
-
-
-def exact(num_steps: int, groups: int, **changes) -> cluster.Workload:
-    """`groups` groups of 2 samples a step, each exactly 1,000 tokens after a 100-token prompt."""
-    workload = cluster.Workload(
-        num_steps=num_steps, groups_per_step=groups, group_size=2, prompt_tokens=100,
-        length=lengths.LogNormal(median=1000, sigma=0.0, cap=4096), max_tokens=4096,
-        tokens_per_id=1,
-    )  # fmt: skip
-    return dataclasses.replace(workload, **changes)
 
 
 def test_admission_is_areals_capacity_formula() -> None:
