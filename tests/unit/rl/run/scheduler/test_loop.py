@@ -238,22 +238,28 @@ def test_a_scheduler_resumed_at_any_sync_continues_exactly(k: int, partial: str)
         assert resumed[0].drawn == [g for g in scheduler.drawn if g >= first_new]
 
 
+def _auto_points_replay(k: int, partial: str, dynamic: bool, percentile: int) -> list:
+    """Three runs at abort_every auto train the same; the point in force after each step's
+    sync is numpy's nearest-rank `percentile` of that step's lengths. Returns the runs."""
+    runs = [
+        _run(seed, k, partial, dynamic=dynamic, annotate=False, abort_every="auto")
+        for seed in (1, 2, 3)
+    ]
+    outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    scheduler, _, trainer, logged = runs[0]
+    for step, metrics in logged:
+        lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
+        expected = int(np.percentile(lengths, percentile, method="inverted_cdf"))
+        assert scheduler.states[step]["abort_every"] == metrics["rollout/abort_every"] == expected
+    return runs
+
+
 def test_auto_abort_points_are_the_last_synced_steps_95th_percentile_and_runs_replay() -> None:
     aborted = 0
     for k in (1, 2):
-        runs = [
-            _run(seed, k, "abort", dynamic=True, annotate=False, abort_every="auto")
-            for seed in (1, 2, 3)
-        ]
-        outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
-        assert outcomes[0] == outcomes[1] == outcomes[2]
+        runs = _auto_points_replay(k, "abort", dynamic=True, percentile=95)
         scheduler, rollout, trainer, logged = runs[0]
-        for step, metrics in logged:
-            # The point in force after step `step`'s sync: numpy's nearest-rank percentile.
-            lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
-            expected = int(np.percentile(lengths, 95, method="inverted_cdf"))
-            assert scheduler.states[step]["abort_every"] == expected
-            assert metrics["rollout/abort_every"] == expected
         aborted += sum(len(r[1].aborted_prefixes) for r in runs)
         # A run resumed at a sync stops its samples where the original did.
         resumed = _run(
@@ -490,15 +496,5 @@ def test_carry_resumed_at_any_sync_continues_exactly(k: int) -> None:
 
 
 def test_carry_auto_abort_points_are_the_last_pushed_steps_median_and_runs_replay() -> None:
-    runs = [
-        _run(seed, 1, "carry", dynamic=False, annotate=False, abort_every="auto")
-        for seed in (1, 2, 3)
-    ]
-    outcomes = [_outcome(scheduler, trainer, logged) for scheduler, _, trainer, logged in runs]
-    assert outcomes[0] == outcomes[1] == outcomes[2]
-    scheduler, rollout, trainer, logged = runs[0]
-    for step, metrics in logged:
-        lengths = [len(sample.response_ids) for sample in trainer.trained[step]]
-        expected = int(np.percentile(lengths, 50, method="inverted_cdf"))
-        assert scheduler.states[step]["abort_every"] == metrics["rollout/abort_every"] == expected
-    assert rollout.aborted_prefixes, "no sample reached an auto abort point"
+    runs = _auto_points_replay(1, "carry", dynamic=False, percentile=50)
+    assert runs[0][1].aborted_prefixes, "no sample reached an auto abort point"
