@@ -131,13 +131,19 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     assert "flaky scores" not in capfd.readouterr().out
 
 
+@pytest.mark.parametrize("partial", ["finish", "carry"])
 def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(
-    shared_dir: Path, tmp_path: Path
+    shared_dir: Path, tmp_path: Path, partial: str
 ) -> None:
+    """Also under partial_rollout carry at k = 1: samples stop every 2 tokens and groups carry
+    over to later steps, their values, reference and proximal log-probs computed when their
+    step trains."""
+    carry = {"max_staleness": 1, "partial_rollout": "carry", "abort_every": 2}
     cfg = _config(
         shared_dir,
         tmp_path,
-        "ppo",
+        f"ppo-{partial}",
+        scheduler=carry if partial == "carry" else {},
         algorithm={
             "advantage": "gae",
             "lam": 0.95,
@@ -155,9 +161,12 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
         for key in ("critic/value_loss", "critic/grad_norm", "kl/coef", "actor/pg_loss"):
             assert record[key] is not None and math.isfinite(record[key]), key
         assert record["memory/critic_peak_mb"] > 100
-        # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
-        assert record["off_policy/max_abs_logprob_gap"] < 1e-3
         assert record["off_policy/kept_token_frac"] == 1.0
+        if partial == "finish":
+            # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
+            assert record["off_policy/max_abs_logprob_gap"] < 1e-3
+        else:
+            assert record["carry/carried_groups"] > 0 and record["carry/max_token_age"] <= 4
     assert records[2]["kl/coef"] != records[1]["kl/coef"]  # adaptive
     assert final["rollout/version"] == 2
 
