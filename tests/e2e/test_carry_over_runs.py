@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from rl.checkpoint.store import list_checkpoints
+from tests.helpers.cli import run_rl
 from tests.helpers.repo import REPO
 from tests.helpers.resumed_steps import computed
 from tests.helpers.tiny_runs import tiny_run_tree
@@ -44,10 +45,6 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _command(recipe: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rl.cli", "train", str(recipe), f"run.name={name}", *extra]
-
-
 def _records(recipe: Path, name: str) -> list[dict]:
     path = recipe.parent / "runs" / name / "metrics.jsonl"
     if not path.exists():
@@ -56,9 +53,7 @@ def _records(recipe: Path, name: str) -> list[dict]:
 
 
 def _run(recipe: Path, name: str, *extra: str) -> list[dict]:
-    result = subprocess.run(
-        _command(recipe, name, *extra), cwd=REPO, capture_output=True, text=True, timeout=900
-    )
+    result = run_rl("train", str(recipe), f"run.name={name}", *extra)
     assert result.returncode == 0, result.stderr[-4000:]
     return [computed(record) for record in _records(recipe, name)]
 
@@ -88,7 +83,7 @@ def test_a_carry_run_killed_while_generating_resumes_bit_for_bit(
 ) -> None:
     name = "killed"
     process = subprocess.Popen(
-        _command(recipe, name),
+        [sys.executable, "-m", "rl.cli", "train", str(recipe), f"run.name={name}"],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -104,15 +104,15 @@ class CarryOver:
         step = self.num_selected + 1
         batch: list[Group] | None = None
         if step <= self.num_steps:
-            fits = []
+            fits = []  # (group, its stale tokens, its tokens), in clock order
             for group in sorted(self.backlog, key=lambda g: (g.finished_at, g.group_id)):
                 ages = token_ages(group, step)
                 if max(ages, default=0) > self.max_token_age:
                     dropped.append(group)
                 else:
-                    fits.append(group)
+                    fits.append((group, sum(age > self.max_staleness for age in ages), len(ages)))
             cap = self.max_groups_per_step
-            batch = self._within_share(fits, step, cap is not None and self.num_scored >= cap)
+            batch = self._within_share(fits, cap is not None and self.num_scored >= cap)
         chosen = {id(group) for group in [*(batch or []), *dropped]}
         self.backlog = [group for group in self.backlog if id(group) not in chosen]
         unkept: list[Group] = []
@@ -133,31 +133,23 @@ class CarryOver:
         self.selected_by_boundary = [*self.selected_by_boundary[1:], self.num_selected]
         return Selection(step if selected else None, batch, unkept, dropped)
 
-    def _within_share(self, fits: list[Group], step: int, spent: bool) -> list[Group] | None:
-        """The first groups_per_step of `fits` (in clock order); while more than
-        max_stale_share of their tokens are stale, the last group with stale tokens gives its
-        place to the next group without any. None if there are not enough groups, unless
-        the step's draws are `spent`: then as many as there are, within the share."""
+    def _within_share(self, fits: list[tuple[Group, int, int]], spent: bool) -> list[Group] | None:
+        """The first groups_per_step of `fits` ((group, stale tokens, tokens) in clock
+        order); while more than max_stale_share of their tokens are stale, the last group
+        with stale tokens gives its place to the next group without any. None if there are
+        not enough groups, unless the step's draws are `spent`: then as many as there are
+        (fewer, if no fresh group is left to take a stale one's place), within the share."""
         size = min(self.groups_per_step, len(fits)) if spent else self.groups_per_step
         if len(fits) < size:
             return None
-        batch, rest = fits[:size], fits[size:]
-
-        def stale(groups: list[Group]) -> tuple[int, int]:
-            ages = [age for group in groups for age in token_ages(group, step)]
-            return sum(age > self.max_staleness for age in ages), len(ages)
-
-        while (counts := stale(batch))[0] > self.max_stale_share * counts[1]:
-            fresh = next((group for group in rest if not stale([group])[0]), None)
-            if fresh is None:
-                if not spent:
-                    return None
-                batch.remove([group for group in batch if stale([group])[0]][-1])
-                continue
-            batch.remove([group for group in batch if stale([group])[0]][-1])
-            rest.remove(fresh)
-            batch.append(fresh)
-        return batch
+        batch, rest = fits[:size], [fit for fit in fits[size:] if not fit[1]]
+        while sum(fit[1] for fit in batch) > self.max_stale_share * sum(fit[2] for fit in batch):
+            if not rest and not spent:
+                return None
+            batch.remove([fit for fit in batch if fit[1]][-1])
+            if rest:
+                batch.append(rest.pop(0))
+        return [group for group, _, _ in batch]
 
     def _metrics(
         self, step: int, counted: list[Group], dropped: list[Group], in_flight: list[Group]
@@ -170,8 +162,8 @@ class CarryOver:
         trained = [len(s.response_ids) for group in batch for s in group.samples]
         closed = [
             len(s.response_ids)
-            for group in [*counted, *self.backlog, *dropped]
-            if group.finished_at is not None and group.finished_at[0] == self.epoch
+            for group in [*counted, *self.backlog, *dropped]  # all finished
+            if group.finished_at[0] == self.epoch
             for s in group.samples
         ]
         ages = [age for group in batch for age in token_ages(group, step)]
@@ -210,7 +202,7 @@ class CarryOver:
 
     def num_fresh(self, num_live: int, generating: bool) -> int:
         """Fresh groups the next epoch starts; `num_live` groups are in flight or in the
-        backlog, and `generating` whether any of them continues. None once every step is
+        backlog, and `generating` whether any of them continues. 0 once every step is
         selected: nothing more will be trained."""
         if self.num_selected == self.num_steps:
             return 0

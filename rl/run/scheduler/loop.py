@@ -436,7 +436,7 @@ class Scheduler:
         kept = self._kept(step)
         if self.settings.abort_every == "auto" and kept:
             lengths = [len(sample.response_ids) for group in kept for sample in group.samples]
-            self._next_abort_every = abort_point(lengths, carry=self.carry is not None)
+            self._next_abort_every = abort_point(lengths, 0.5 if self.carry else 0.95)
         finished = sorted(self._finished.pop(step, []), key=lambda group: group.group_id)
         reward_calls = [(group.reward_metrics, len(group.samples)) for group in finished]
         self._step_metrics[step] = {
@@ -562,8 +562,8 @@ class Scheduler:
             self._trained(*payload, result)
 
 
-def abort_point(lengths: list[int], carry: bool = False) -> int:
-    """abort_every "auto": a percentile (nearest rank) of a step's response lengths.
+def abort_point(lengths: list[int], quantile: float) -> int:
+    """abort_every "auto": the `quantile` (nearest rank) of a step's response lengths.
 
     partial_rollout "abort": the 95th. Only the longest responses reach it, so the others
     finish under the version they started with, and the few that stop are the ones a sync
@@ -573,4 +573,4 @@ def abort_point(lengths: list[int], carry: bool = False) -> int:
     response's time, where the tail's would hold every step to the tail's pace (the sweep in
     docs/scale.md, "Carry-over")."""
     ordered = sorted(lengths)
-    return max(1, ordered[math.ceil((0.5 if carry else 0.95) * len(ordered)) - 1])
+    return max(1, ordered[math.ceil(quantile * len(ordered)) - 1])
