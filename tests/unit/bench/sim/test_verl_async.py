@@ -95,13 +95,17 @@ def test_a_trainer_bound_run_trains_the_staleness_threshold_share_of_stale_group
     assert max(result.staleness_tokens) == 1
 
 
-def test_a_partial_rollout_resumes_under_the_new_weights_and_loses_no_token() -> None:
-    # Group 0 runs 3 times longer than the rest: two syncs interrupt it, and it resumes.
-    long_group = dataclasses.replace(
-        exact(8, 1), length=lambda sample: 3000 if sample.group_id == 0 else 1000,
+def one_long_group(num_steps: int) -> object:
+    """One group a step of 1,000-token responses, but group 0's are 3,000 tokens."""
+    return dataclasses.replace(
+        exact(num_steps, 1), length=lambda sample: 3000 if sample.group_id == 0 else 1000,
         max_tokens=3000,
     )  # fmt: skip
-    result = verl_async.simulate(COST, SPLIT, long_group, schedule(1.0, True, trigger=1))
+
+
+def test_a_partial_rollout_resumes_under_the_new_weights_and_loses_no_token() -> None:
+    # Group 0 runs 3 times longer than the rest: two syncs interrupt it, and it resumes.
+    result = verl_async.simulate(COST, SPLIT, one_long_group(8), schedule(1.0, True, trigger=1))
     assert result.reprefilled_tokens > 0
     assert sum(m["rollout/resumed_groups"] for m in result.steps) > 0
     # Every trained group is whole: the long one once, the others 2 x 1,000 tokens each.
@@ -113,11 +117,7 @@ def test_a_partial_rollout_resumes_under_the_new_weights_and_loses_no_token() ->
 
 
 def test_a_sync_without_partial_rollout_waits_for_the_groups_in_flight() -> None:
-    long_group = dataclasses.replace(
-        exact(4, 1), length=lambda sample: 3000 if sample.group_id == 0 else 1000,
-        max_tokens=3000,
-    )  # fmt: skip
-    result = verl_async.simulate(COST, SPLIT, long_group, schedule(1.0, False, trigger=1))
+    result = verl_async.simulate(COST, SPLIT, one_long_group(4), schedule(1.0, False, trigger=1))
     assert result.reprefilled_tokens == 0
     assert not any(m["rollout/resumed_groups"] for m in result.steps)
 
