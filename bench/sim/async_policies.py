@@ -13,10 +13,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from rl.observe.trace import covered_seconds
 from rl.types import Sample, SamplingParams, fresh_samples
 from sim.clock import SimClock
-from sim.cluster import Placement, Result, SimTrainer, Workload, kv_capacity_ids
+from sim.cluster import Placement, Result, SimTrainer, Workload, kv_capacity_ids, measure
 from sim.costs import CostModel
 from sim.engine import SimEngine, SimRollout
 
@@ -203,32 +202,8 @@ class SplitCluster:
         self.step = Step(start=now)
 
     def result(self) -> Result:
-        """The run's measurement in the steady state: neither the first version (the
-        pipeline filling) nor the last, as `sim.cluster.simulate` measures Tandem's."""
-        end, steps, ends = self.clock.now(), self.steps, self.ends
-        window, counted = (
-            ((ends[0], ends[-2]), len(ends) - 2) if len(ends) >= 3 else ((0.0, end), len(ends))
-        )
-        span = window[1] - window[0]
-        trainer, syncs = self.trainer, self.trainer.syncs
-        rollout_busy = [
-            covered_seconds([*engine.busy_until(end), *syncs], *window) for engine in self.engines
-        ]
-        trainer_busy_s = covered_seconds([*trainer.busy, *syncs], *window)
-        engines = len(self.engines)
-        rollout_share = engines * self.cost.model.tp / self.placement.gpus
-        gpu_busy = (
-            rollout_share * sum(rollout_busy) / engines + (1 - rollout_share) * trainer_busy_s
-        )
-        return Result(
-            steps=steps,
-            steps_per_hour=3600 * counted / span,
-            rollout_idle=max(0.0, 1 - sum(rollout_busy) / (engines * span)),
-            trainer_idle=max(0.0, 1 - trainer_busy_s / span),
-            gpu_idle=max(0.0, 1 - gpu_busy / span),
-            staleness_tokens=dict(sorted(trainer.staleness_tokens.items())),
-            generated_tokens=sum(e.stats.generated_ids for e in self.engines) * self.tpi,
-            reprefilled_tokens=sum(e.stats.reprefilled_ids for e in self.engines) * self.tpi,
-            dropped_tokens=0,
-            preemptions=sum(e.stats.preemptions for e in self.engines),
+        """The run's measurement in the steady state, as `sim.cluster.simulate` measures
+        Tandem's."""
+        return measure(
+            self.steps, self.ends, self.cost, self.placement, self.engines, self.trainer, 0
         )

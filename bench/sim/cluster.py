@@ -316,9 +316,24 @@ def simulate(
             metrics["perf/gen_tokens_per_s"] *= tpi
         steps.append(metrics)
         ends.append(clock.now())
-    end = clock.now()
-    # The steady state: neither the first step (the pipeline filling) nor the last (at
-    # k >= 1 its groups were mostly generated during the steps before).
+    return measure(
+        steps, ends, cost, placement, engines, trainer, scorer.dropped_tokens if rounds else 0
+    )
+
+
+def measure(
+    steps: list[dict[str, float]],
+    ends: list[float],
+    cost: CostModel,
+    placement: Placement,
+    engines: list[SimEngine],
+    trainer: SimTrainer,
+    dropped_tokens: int,
+) -> Result:
+    """A run's Result in the steady state: neither the first step (the pipeline filling) nor
+    the last (at k >= 1 its groups were mostly generated during the steps before). `ends`:
+    when each step's sync ended; the run ends at the clock's time now."""
+    end, tpi = trainer.clock.now(), trainer.tokens_per_id
     window, counted = (
         ((ends[0], ends[-2]), len(ends) - 2) if len(ends) >= 3 else ((0.0, end), len(ends))
     )
@@ -334,7 +349,7 @@ def simulate(
             for engine in engines
         ) / len(engines)
     else:
-        rollout_share = num_engines * cost.model.tp / placement.gpus
+        rollout_share = len(engines) * cost.model.tp / placement.gpus
         gpu_busy = (
             rollout_share * sum(rollout_busy) / len(engines) + (1 - rollout_share) * trainer_busy_s
         )
@@ -347,6 +362,6 @@ def simulate(
         staleness_tokens=dict(sorted(trainer.staleness_tokens.items())),
         generated_tokens=sum(e.stats.generated_ids for e in engines) * tpi,
         reprefilled_tokens=sum(e.stats.reprefilled_ids for e in engines) * tpi,
-        dropped_tokens=scorer.dropped_tokens if rounds else 0,
+        dropped_tokens=dropped_tokens,
         preemptions=sum(e.stats.preemptions for e in engines),
     )
