@@ -1,13 +1,14 @@
-"""partial_rollout carry against abort (abort_every auto) at the same k = 1, and both against
-the synchronous run (k = 0), side by side on CPU.
+"""partial_rollout carry, and abort with the streaming trainer, against abort (abort_every
+auto) at the same k = 1, and all against the synchronous run (k = 0), side by side on CPU.
 
     .venv/bin/python bench/carry_over.py [--steps 40] [--seeds 0 1]
-                                         [--recipes demo heavy_tail] [--modes sync abort carry]
-                                         [key=value ...]
+                                         [--recipes demo heavy_tail]
+                                         [--modes sync abort carry stream] [key=value ...]
 
 For each seed and recipe (the demo, recipes/grpo_addition_cpu.yaml, and a workload with a
 heavy length tail, bench/recipes/heavy_tail.yaml), `rl train` runs once per mode (sync:
-max_staleness 0; abort and carry: max_staleness 1), interleaved so that the machine's drift hits every mode alike;
+max_staleness 0; abort, carry and stream, which is abort with scheduler.streaming:
+max_staleness 1), interleaved so that the machine's drift hits every mode alike;
 key=value overrides go to every run. Held-out accuracy is evaluated about four times a run
 (run.eval_every = steps / 4) and before the first step.
 
@@ -38,6 +39,7 @@ from rl.config.recipe import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"demo": "recipes/grpo_addition_cpu.yaml", "heavy_tail": "bench/recipes/heavy_tail.yaml"}
+MODES = ("sync", "abort", "carry", "stream")
 LAST = 10  # reward/mean is also averaged over the run's last LAST steps
 CARRY_METRICS = (
     "carry/trained_mean_tokens",
@@ -51,9 +53,10 @@ CARRY_METRICS = (
 
 def run_overrides(mode: str, seed: int, steps: int, extra: list[str]) -> list[str]:
     """The overrides of one measured run; `extra` (the command line's) come last and win.
-    `mode` is a partial_rollout at max_staleness 1, or "sync": on-policy (k = 0), the
-    synchronous run whose reward and accuracy per step the others are held against."""
-    k, partial = (0, "finish") if mode == "sync" else (1, mode)
+    `mode` is a partial_rollout at max_staleness 1, "stream" (abort, the trainer streaming),
+    or "sync": on-policy (k = 0), the synchronous run whose reward and accuracy per step the
+    others are held against."""
+    k, partial = (0, "finish") if mode == "sync" else (1, "abort" if mode == "stream" else mode)
     return [
         f"run.num_steps={steps}",
         f"run.seed={seed}",
@@ -67,6 +70,7 @@ def run_overrides(mode: str, seed: int, steps: int, extra: list[str]) -> list[st
         f"scheduler.max_staleness={k}",
         f"scheduler.partial_rollout={partial}",
         "scheduler.abort_every=auto",
+        f"scheduler.streaming={str(mode == 'stream').lower()}",
         *extra,
     ]
 
@@ -190,7 +194,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
-    parser.add_argument("--modes", nargs="+", default=["sync", "abort", "carry"])
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=["sync", "abort", "carry", "stream"]
+    )
     args, extra = parser.parse_known_args(argv)
     results: dict[tuple[str, str], list[dict]] = {}
     for seed in args.seeds:

@@ -172,7 +172,16 @@ def policy_sweep(workload: Workload) -> list[Run]:
                 ("Tandem: colocate k=1 carry, 2x groups", colocate, carry(1, groups, 2)),
                 ("Tandem: colocate k=2 carry, 2x groups", colocate, carry(2, groups, 2)),
                 (f"Tandem: split {halves} k=2 carry, 3x groups", split, carry(2, groups, 3)),
+                (f"Tandem: split {halves} k=0", split, Schedule(0)),
+                (f"Tandem: split {halves} k=0 streaming", split, Schedule(0, streaming=True)),
             ]
+        rows.append(
+            (
+                f"Tandem: split {halves} k=2 abort streaming",
+                split,
+                Schedule(2, "abort", streaming=True),
+            )
+        )
         rows += [
             (
                 f"verl: split {halves} async 0.5 (not reproducible)",
@@ -237,6 +246,12 @@ def calibration_runs(median: int, sync: Result) -> list[Run]:
         ("Tandem: colocate k=1 carry, 2x groups", colocate, overlapped, carry(1, groups, 2)),
         ("Tandem: colocate k=2 carry, 3x groups", colocate, overlapped, carry(2, groups, 3)),
         ("Tandem: split 64:64 k=2 carry, 3x groups", split, overlapped, carry(2, groups, 3)),
+        ("Tandem: split 64:64 k=0", split, overlapped, Schedule(0)),
+        ("Tandem: split 64:64 k=0 streaming", split, overlapped, Schedule(0, streaming=True)),
+        ("Tandem: split 80:48 k=1 abort streaming", Placement.split(128, 80), overlapped,
+         Schedule(1, "abort", streaming=True)),
+        ("Tandem: split 80:48 k=2 abort streaming", Placement.split(128, 80), overlapped,
+         Schedule(2, "abort", streaming=True)),
     ]  # fmt: skip
     fitted = verl.trainer_costs(sync)
     return [

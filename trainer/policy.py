@@ -48,6 +48,19 @@ from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref", "is_weight")
+# Counts a streamed step adds up over its groups (PolicyTrainer.step_accumulated).
+_SUMMED = ("tokens", "trained_tokens", "skipped_rows", "rows")
+# A streamed step's gradient sum (PolicyTrainer.accumulate_group), in units of
+# 1/_FIXED_POINT_UNIT of the gradient of the loss summed over tokens and divided by the step's
+# nominal number of sequences: per sequence, so its size does not grow with the step's, and
+# room up to _FIXED_POINT_RANGE (an int64's, with headroom for the sum of a step's groups).
+_FIXED_POINT_UNIT = 2.0**32
+_FIXED_POINT_RANGE = 2.0**62
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly) sharded tensor, as a view: writes go to the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _rows_to_train(batch: Batch) -> torch.Tensor:
@@ -101,6 +114,15 @@ class PolicyTrainer(RoleRank):
         self.residency = DeviceResidency(
             self.device, [self.policy, *frozen], self.optimizer, cfg.trainer.offload
         )
+        # scheduler.streaming (accumulate_group): the metrics of the groups accumulated since
+        # the last optimizer step by group id, the seconds they took, the gradient shards'
+        # fixed-point sum (8 bytes a parameter of this rank's shards, kept between steps) and
+        # whether a group's gradient fell out of its range.
+        self._accumulated: dict[int, dict[str, float]] = {}
+        self._accumulated_s = 0.0
+        self._fixed: dict[nn.Parameter, torch.Tensor] = {}
+        self._nominal_sequences = float(cfg.run.prompts_per_step * cfg.algorithm.group_size)
+        self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, model: str = "policy") -> torch.Tensor:
@@ -129,10 +151,13 @@ class PolicyTrainer(RoleRank):
         reshard(module)  # no backward follows to free the gathered parameters
         return gather_rows(pieces, batch, self.device)
 
-    def accumulate_gradients(self, batch: Batch) -> dict[str, float]:
+    def accumulate_gradients(
+        self, batch: Batch, denominator: float | None = None
+    ) -> dict[str, float]:
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
 
-        The loss is normalised by the global weight sum of the whole mini-batch, so after every
+        The loss is normalised by the global weight sum of the whole mini-batch (or by
+        `denominator`: 1 for a streamed group, whose step divides at its end), so after every
         rank has run, the sharded gradients equal those of one process on the full `batch`.
         FSDP2 reduce-scatters gradients with ReduceOp.AVG (divides by the world size) for
         fp32/bf16; we want the SUM of the ranks' partial gradients, so each rank's loss is
@@ -147,8 +172,9 @@ class PolicyTrainer(RoleRank):
         `trained_tokens` (prompt and response tokens run) and `skipped_rows`.
         """
         # Every rank holds the whole mini-batch: the global denominator needs no collective.
-        denominator = self.objective.token_count(batch)
-        denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
+        if denominator is None:
+            denominator = self.objective.token_count(batch)
+            denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
         num_rows = batch.num_sequences
         if self.cfg.trainer.skip_zero_advantage_rows:
             batch = batch.select(_rows_to_train(batch))
@@ -209,46 +235,118 @@ class PolicyTrainer(RoleRank):
         self.residency.ensure_on_device()
         reset_peak_memory(self.device)
         start = time.perf_counter()
-        totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
-        loss_sum = grad_norm_sum = tokens = 0.0
-        step_metrics = []  # every step's, taken or not: which metrics this config reports
-        taken = 0
+        updates = []
         for _ in range(self.cfg.trainer.num_epochs):
             for rows in mini_batches:
                 metrics = self.accumulate_gradients(batch.select(rows))
-                step_metrics.append(metrics)
-                step = self._optimizer_step(metrics["loss"])
-                if step.skipped:
+                updates.append((metrics, self._optimizer_step(metrics["loss"])))
+        rows_run = batch.num_sequences * self.cfg.trainer.num_epochs
+        return self._report(updates, rows_run, time.perf_counter() - start)
+
+    def accumulate_group(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: forward/backward of one group of the step (a batch of its own,
+        annotated), its loss summed over tokens and divided by the step's nominal number of
+        sequences (`step_accumulated` divides by the real denominator), its gradient added to
+        the step's in fixed point.
+
+        Groups arrive in the order they finish, which timing decides, and a float sum depends
+        on its order; an integer sum does not. So each group's gradient (fixed by the group
+        alone: its micro-batches never span two groups) is rounded to a multiple of
+        1/_FIXED_POINT_UNIT and added to an int64 copy of the gradient shards, and metrics
+        are kept under `key` (the group's id) and summed in key order: the step is the same
+        bits whatever order the groups came in. It equals train_step's on the whole batch up to
+        that rounding and fp32's (test_streamed_step)."""
+        assert key not in self._accumulated, f"group {key} accumulated twice"
+        if not self._accumulated:
+            self.residency.ensure_on_device()
+            reset_peak_memory(self.device)
+        start = time.perf_counter()
+        metrics = self.accumulate_gradients(batch, denominator=self._nominal_sequences)
+        metrics.update(denominator=self.objective.token_count(batch), rows=batch.num_sequences)
+        self._accumulated[key] = metrics
+        with torch.no_grad():
+            for param in self.policy.parameters():
+                if param.grad is None:
                     continue
-                taken += 1
-                for name in totals:
-                    totals[name] += metrics.get(name, 0.0) * metrics["tokens"]
-                loss_sum += metrics["loss"]
-                grad_norm_sum += step.grad_norm
-                tokens += metrics["tokens"]
-        seconds = time.perf_counter() - start
+                grad = _local(param.grad)
+                scaled = grad.double() * _FIXED_POINT_UNIT  # exact: a power of two
+                # Out of range (or not finite): the step is skipped as a non-finite one.
+                self._overflow |= ~(scaled.abs() < _FIXED_POINT_RANGE).all()
+                fixed = self._fixed.get(param)
+                if fixed is None:
+                    fixed = self._fixed[param] = torch.zeros_like(grad, dtype=torch.int64)
+                fixed += scaled.clamp(-_FIXED_POINT_RANGE, _FIXED_POINT_RANGE).round().long()
+                grad.zero_()  # the next group's backward adds to 0: its gradient alone
+        self._accumulated_s += time.perf_counter() - start
+
+    def step_accumulated(self) -> dict[str, float]:
+        """The optimizer step over the groups `accumulate_group` took since the last step
+        (at least one): the fixed-point sum divided by the step's loss denominator, then as a
+        train_step of one mini-batch; returns train_step's metrics."""
+        assert self._accumulated, "an optimizer step with no group accumulated"
+        start = time.perf_counter()
+        groups = [self._accumulated[key] for key in sorted(self._accumulated)]
+        self._accumulated = {}
+        denominator = sum(group["denominator"] for group in groups)
+        denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
+        overflow = bool(self._overflow.item())
+        rescale = self._nominal_sequences / denominator
+        with torch.no_grad():
+            for param, fixed in self._fixed.items():
+                grad = _local(param.grad)
+                if overflow:  # every rank's grad norm is then NaN: all of them skip the step
+                    grad.fill_(math.nan)
+                else:
+                    grad.copy_(fixed.double() / _FIXED_POINT_UNIT * rescale)
+                fixed.zero_()
+        self._overflow.zero_()
+        tokens = sum(group["tokens"] for group in groups)
+        merged = {
+            name: sum(group[name] * group["tokens"] for group in groups) / max(tokens, 1.0)
+            for name in _TOKEN_METRICS
+            if name in groups[0]
+        }
+        merged.update(
+            loss=sum(group["loss"] for group in groups) * rescale,
+            **{key: sum(group[key] for group in groups) for key in _SUMMED},
+        )
+        update = (merged, self._optimizer_step(merged["loss"]))
+        seconds, self._accumulated_s = self._accumulated_s + time.perf_counter() - start, 0.0
+        return self._report([update], int(merged["rows"]), seconds)
+
+    def _report(
+        self, updates: list[tuple[dict[str, float], StepResult]], rows_run: int, seconds: float
+    ) -> dict[str, float]:
+        """train_step's metrics of its (accumulated metrics, optimizer step) pairs."""
+        totals = dict.fromkeys(_TOKEN_METRICS, 0.0)
+        loss_sum = grad_norm_sum = tokens = 0.0
+        taken = [(metrics, step) for metrics, step in updates if not step.skipped]
+        for metrics, step in taken:
+            for name in totals:
+                totals[name] += metrics.get(name, 0.0) * metrics["tokens"]
+            loss_sum += metrics["loss"]
+            grad_norm_sum += step.grad_norm
+            tokens += metrics["tokens"]
         out = {f"actor/{name}": value / max(tokens, 1.0) for name, value in totals.items()}
-        for name in _TOKEN_METRICS:
-            if all(name not in metrics for metrics in step_metrics):
+        for name in _TOKEN_METRICS:  # which metrics this config reports
+            if all(name not in metrics for metrics, _ in updates):
                 del out[f"actor/{name}"]
         out.update(
             {
-                "actor/loss": loss_sum / max(taken, 1),
-                "actor/grad_norm": grad_norm_sum / max(taken, 1),
+                "actor/loss": loss_sum / max(len(taken), 1),
+                "actor/grad_norm": grad_norm_sum / max(len(taken), 1),
             }
         )
-        if taken == 0:  # no update to describe (MetricsLogger writes NaN as null)
+        if not taken:  # no update to describe (MetricsLogger writes NaN as null)
             out = dict.fromkeys(out, math.nan)
         if self.cfg.trainer.skip_zero_advantage_rows:
-            skipped = sum(metrics["skipped_rows"] for metrics in step_metrics)
-            out["actor/skipped_row_frac"] = skipped / (
-                batch.num_sequences * self.cfg.trainer.num_epochs
-            )
-        real_tokens = sum(metrics["trained_tokens"] for metrics in step_metrics)
+            skipped = sum(metrics["skipped_rows"] for metrics, _ in updates)
+            out["actor/skipped_row_frac"] = skipped / rows_run
+        real_tokens = sum(metrics["trained_tokens"] for metrics, _ in updates)
         out.update(
             {
-                "actor/nonfinite_skipped": float(len(step_metrics) - taken),
-                "actor/lr": step.lr,
+                "actor/nonfinite_skipped": float(len(updates) - len(taken)),
+                "actor/lr": updates[-1][1].lr,
                 **({} if self.loss_scale is None else {"actor/loss_scale": self.loss_scale.scale}),
                 "timing/train_step_s": seconds,
                 "timing/train_tokens_per_s": real_tokens / seconds,
@@ -331,10 +429,7 @@ class PolicyTrainer(RoleRank):
         """Sum of squares of all policy parameters (global, fp64): a cheap did-it-change probe.
         Each shard is held by `num_replicas` ranks (hybrid, none): counted once."""
         self.residency.ensure_on_device()
-        local = sum(
-            (p.to_local() if isinstance(p, DTensor) else p).detach().double().square().sum()
-            for p in self.policy.parameters()
-        )
+        local = sum(_local(p).detach().double().square().sum() for p in self.policy.parameters())
         total = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1)
         dist.all_reduce(total)
         return total.item() / self.num_replicas

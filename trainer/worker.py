@@ -76,6 +76,13 @@ class TrainWorker(RankWorker):
         """The log-probs [B, T-1] of `batch`, the same on every rank (collective)."""
         return self.trainer.compute_logprobs(batch, model)
 
+    def accumulate_group(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: one group's gradients added (collective)."""
+        self.trainer.accumulate_group(batch, key)
+
+    def step_accumulated(self) -> dict[str, float]:
+        return self.trainer.step_accumulated()
+
     def export_hf(self, out_dir: str) -> None:
         self.trainer.export_hf(out_dir)
 

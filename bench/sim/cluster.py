@@ -85,12 +85,13 @@ class Schedule:
     max_token_age: int = SchedulerConfig.model_fields["max_token_age"].default
     max_stale_share: float = SchedulerConfig.model_fields["max_stale_share"].default
     groups_in_flight: int = 0
+    streaming: bool = False  # scheduler.streaming: the trainer takes a step group by group
 
     def label(self) -> str:
         mode = self.partial_rollout
         if mode == "abort" and self.abort_every != "auto":
             mode += f" every {self.abort_every}"
-        return f"k={self.max_staleness} {mode}"
+        return f"k={self.max_staleness} {mode}" + (" streaming" if self.streaming else "")
 
 
 @dataclass
@@ -179,11 +180,27 @@ class SimTrainer:
         return self._start(self.cost.annotate_s(self._lengths(samples), gpus), samples)
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        self._count_staleness(step, samples)
+        gpus = self.placement.trainer_gpus
+        return self._start(self.cost.train_s(self._lengths(samples), gpus), {})
+
+    def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """One group's annotation and forward/backward: training's cost is per token."""
+        gpus, lengths = self.placement.trainer_gpus, self._lengths(samples)
+        seconds = self.cost.train_s(lengths, gpus)
+        if self.needs_annotation:
+            seconds += self.cost.annotate_s(lengths, gpus)
+        return self._start(seconds, samples)
+
+    def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """The optimizer step, whose cost the model leaves out of training's (as `train`)."""
+        self._count_staleness(step, samples)
+        return self._start(0.0, {})
+
+    def _count_staleness(self, step: int, samples: list[Sample]) -> None:
         for sample in samples:
             for version, ids in Counter(sample.token_versions).items():
                 self.staleness_tokens[step - 1 - version] += ids * self.tokens_per_id
-        gpus = self.placement.trainer_gpus
-        return self._start(self.cost.train_s(self._lengths(samples), gpus), {})
 
     def release_memory(self) -> None:
         if not self._offloaded:
@@ -294,6 +311,7 @@ def simulate(
         max_token_age=schedule.max_token_age,
         max_stale_share=schedule.max_stale_share,
         groups_in_flight=groups_in_flight(schedule.groups_in_flight, workload.groups_per_step),
+        streaming=schedule.streaming,
     )
     # The trace's lanes stand for one device each: the simulation measures its GPUs itself.
     lanes = {f"rollout-{i}": [i] for i in range(num_engines)}

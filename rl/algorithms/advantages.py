@@ -29,6 +29,8 @@ class AdvantageTraits:
     # and give an all-correct group a non-zero advantage (DeepSeekMath puts GRPO's KL in the
     # loss).
     kl_in_reward: bool = True
+    # It whitens over the whole batch: a sample's advantage depends on other prompts' samples.
+    whitens_batch: bool = False
 
 
 ADVANTAGES: Registry[AdvantageFn, AdvantageTraits] = Registry(
@@ -39,6 +41,13 @@ ADVANTAGES: Registry[AdvantageFn, AdvantageTraits] = Registry(
 def needs_critic(cfg: Config) -> bool:
     """Whether the run trains a critic: its advantage estimator reads critic values."""
     return ADVANTAGES.traits(cfg.algorithm.advantage).needs_critic
+
+
+def couples_groups(cfg: AlgorithmConfig) -> bool:
+    """Whether a group's advantages depend on other groups of the step (whitening over the
+    batch): such a step cannot be trained group by group (scheduler.streaming)."""
+    whitens = ADVANTAGES.traits(cfg.advantage).whitens_batch
+    return whitens or (cfg.advantage == "gae" and cfg.whiten_advantages)
 
 
 GROUP_STD_EPS = 1e-6
@@ -117,7 +126,7 @@ def rloo_advantages(
     return advantages, advantages
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", whitens_batch=True)
 def reinforce_pp_advantages(
     token_rewards: Tensor,
     mask: Tensor,
@@ -137,7 +146,7 @@ def reinforce_pp_advantages(
     return masked_whiten(returns, mask), returns
 
 
-@ADVANTAGES.register("reinforce_pp_baseline", group_baseline=True)
+@ADVANTAGES.register("reinforce_pp_baseline", group_baseline=True, whitens_batch=True)
 def reinforce_pp_baseline_advantages(
     token_rewards: Tensor,
     mask: Tensor,

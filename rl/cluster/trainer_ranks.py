@@ -72,6 +72,16 @@ class PolicyRanks(RoleRanks):
         """Log-probs [B, T-1] of `batch` under the policy or the frozen reference."""
         return on_every_rank(self.workers, "compute_logprobs", batch, model)
 
+    def accumulate_group(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: forward/backward of one group of the step (`key`: its id), its
+        gradients added to the step's whatever the order (PolicyTrainer.accumulate_group)."""
+        on_every_rank(self.workers, "accumulate_group", batch, key)
+
+    def step_accumulated(self) -> dict[str, float]:
+        """The optimizer step over the groups accumulated since the last one; metrics as
+        train_step's."""
+        return ray.get([w.step_accumulated.remote() for w in self.workers])[0]
+
     def export_hf(self, out_dir: Path) -> Path:
         ray.get([w.export_hf.remote(str(out_dir)) for w in self.workers])
         return out_dir

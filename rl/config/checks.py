@@ -217,6 +217,8 @@ def _check_scheduler(cfg: Config, path: Path | str) -> None:
             "scheduler.placement=split set scheduler.rollout_devices and "
             "scheduler.trainer_devices instead"
         )
+    if sched.streaming:
+        _check_streaming(cfg, path)
     if sched.placement == "colocate":
         for key in ("rollout_devices", "trainer_devices"):
             if getattr(sched, key):
@@ -236,6 +238,35 @@ def _check_scheduler(cfg: Config, path: Path | str) -> None:
         raise ConfigError(
             f"{path}: scheduler.rollout_devices={sched.rollout_devices} must be a multiple of "
             f"rollout.tensor_parallel_size={tp} (each rollout worker spans that many devices)"
+        )
+
+
+def _check_streaming(cfg: Config, path: Path | str) -> None:
+    """scheduler.streaming trains a step group by group, before its last group is in: one
+    optimizer step per step, advantages per group, and a trainer free to run while the
+    engines generate."""
+    from rl.algorithms.advantages import couples_groups  # torch: not at import
+
+    trainer = cfg.trainer
+    if trainer.num_mini_batches != 1 or trainer.num_epochs != 1:
+        raise ConfigError(
+            f"{path}: scheduler.streaming accumulates one optimizer step over the step's groups "
+            f"as they finish; trainer.num_mini_batches={trainer.num_mini_batches} and "
+            f"trainer.num_epochs={trainer.num_epochs} must both be 1 (or drop streaming)"
+        )
+    if couples_groups(cfg.algorithm):
+        raise ConfigError(
+            f"{path}: scheduler.streaming computes each group's advantages as it finishes; "
+            f"algorithm.advantage={cfg.algorithm.advantage}"
+            f"{' with whiten_advantages' if cfg.algorithm.advantage == 'gae' else ''} whitens "
+            "over the whole step (use a per-group estimator such as grpo or rloo, set "
+            "algorithm.whiten_advantages=false for gae, or drop streaming)"
+        )
+    if cfg.scheduler.time_sliced:
+        raise ConfigError(
+            f"{path}: scheduler.streaming trains while the step's tail generates; colocated at "
+            "max_staleness=0 the roles take turns on the devices (set scheduler.placement=split "
+            "or scheduler.max_staleness >= 1, or drop streaming)"
         )
 
 

@@ -91,6 +91,13 @@ class SchedulerConfig(Section):
         description="partial_rollout carry: prompt groups generating or finished and waiting "
         "for a step, kept topped up at every epoch (0 = 2 x run.prompts_per_step).",
     )
+    streaming: bool = Field(
+        False,
+        description="Train a step group by group as its groups finish (old/reference "
+        "log-probs, values, forward and backward), in group-id order, and take the optimizer "
+        "step once the last is in: the trainer works while the step's tail generates "
+        "(docs/scale.md, 'Streaming trainer').",
+    )
     abort_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
         description="partial_rollout abort and carry: the response tokens such a sample "

@@ -89,10 +89,16 @@ class KLController:
         self.cfg = cfg
         self.coef = cfg.kl_coef
 
-    def update(self, observed_kl: float, num_samples: int) -> None:
-        if self.cfg.kl_target > 0:
+    def adapt(self, metrics: dict[str, float], num_samples: int) -> None:
+        """After a step of `num_samples` whose prepare_batch gave `metrics`: towards kl_target
+        from the KL the reward penalised, when it penalised one."""
+        if self.cfg.kl_target > 0 and "kl/reward_penalty" in metrics:
             self.coef = adaptive_kl_coef(
-                self.coef, observed_kl, self.cfg.kl_target, num_samples, self.cfg.kl_horizon
+                self.coef,
+                metrics["kl/reward_penalty"],
+                self.cfg.kl_target,
+                num_samples,
+                self.cfg.kl_horizon,
             )
 
 
@@ -128,10 +134,11 @@ def prepare_batch(
     samples: list[Sample],
     scores: list[float],
     pad_id: int,
-    kl_controller: KLController,
+    kl_coef: float,
 ) -> tuple[Batch, Batch, dict[str, float]]:
     """The training batches of annotated `samples` with sequence rewards `scores` [B]: KL
-    penalty, advantages, then off-policy weights (measured from the proximal log-probs).
+    penalty (at `kl_coef`, KLController's for the step: "kl/reward_penalty" is what it adapts
+    to), advantages, then off-policy weights (measured from the proximal log-probs).
 
     Returns the policy's batch, the critic's and metrics. They differ only in what the
     off-policy correction changes: the critic's batch keeps every response token in its loss
@@ -150,10 +157,8 @@ def prepare_batch(
     kl_penalty = None
     if algo.kl_coef > 0 and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_logprobs, batch.ref_logprobs) * mask
-        kl_penalty = -kl_controller.coef * kl
-        sequence_kl = kl.sum(dim=1).mean().item()
-        metrics.update({"kl/reward_penalty": sequence_kl, "kl/coef": kl_controller.coef})
-        kl_controller.update(sequence_kl, batch.num_sequences)
+        kl_penalty = -kl_coef * kl
+        metrics.update({"kl/reward_penalty": kl.sum(dim=1).mean().item(), "kl/coef": kl_coef})
     # The estimator adds the KL penalty to the task scores after any group baseline.
     batch.advantages, batch.returns = ADVANTAGES.get(algo.advantage)(
         rewards, mask, algo, batch.old_values, kl_penalty
@@ -206,15 +211,41 @@ class TrainerSide:
         )
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        return self._thread.submit(self._train, samples, scores)
+        return self._thread.submit(self._train, samples, scores, streamed=False)
 
-    def _train(self, samples: list[Sample], scores: list[float]) -> dict[str, float]:
+    def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        return self._thread.submit(self._stream, samples, scores)
+
+    def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        return self._thread.submit(self._train, samples, scores, streamed=True)
+
+    def _stream(self, samples: list[Sample], scores: list[float]) -> list[Sample]:
+        """One group of a streamed step: annotated at the weights the step starts from (no
+        optimizer step comes before its end), its batch built alone (its advantages are its
+        own: the config checks refuse estimators that whiten over the step) and its gradients
+        added to the step's, in an order-independent exact sum."""
+        if self.needs_annotation:
+            annotate_samples(self.cfg, samples, self.pad_id, self.trainers, self.critic)
+        batch, _, _ = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller.coef)
+        self.trainers.accumulate_group(batch, samples[0].group_id)
+        return samples
+
+    def _train(
+        self, samples: list[Sample], scores: list[float], streamed: bool
+    ) -> dict[str, float]:
+        """The step on annotated `samples`; `streamed`: their gradients are in (`stream`), so
+        only the optimizer step is left. The whole step's batch still gives its metrics, the
+        KL coefficient's adaptation and the critic's step, which is not streamed."""
         if not samples:  # dynamic sampling found no informative group: nothing to learn
             return {}
         batch, critic_batch, metrics = prepare_batch(
-            self.cfg, samples, scores, self.pad_id, self.kl_controller
+            self.cfg, samples, scores, self.pad_id, self.kl_controller.coef
         )
-        metrics.update(self.trainers.train_step(batch))
+        self.kl_controller.adapt(metrics, batch.num_sequences)
+        if streamed:
+            metrics.update(self.trainers.step_accumulated())
+        else:
+            metrics.update(self.trainers.train_step(batch))
         metrics.update(self._utilisation(batch, metrics["timing/train_tokens_per_s"]))
         if self.critic is not None:
             metrics.update(self.critic.train_step(critic_batch))

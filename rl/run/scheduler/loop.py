@@ -31,6 +31,11 @@ generation runs in epochs whose segments all stop at abort points, and at each b
 (nothing generating or scored) the next step takes the first groups to finish on a token
 clock, within a bound on every token's age and on the share of stale tokens; the version the
 next epoch samples with is pushed there, and fresh groups start there (`_boundary_if_due`).
+With `streaming` the trainer does not wait for a step's last group: it annotates and
+backpropagates each group as soon as it is scored, and takes the optimizer step once all are
+in (`_stream`). The groups come in the order they finish, which timing decides; the trainer
+sums their gradients in fixed point, exactly, and their metrics in id order, so the step does
+not depend on that order (PolicyTrainer.accumulate_group).
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
 admission's counts, or under "carry" its bookkeeping) is what a checkpoint records, so a
 resumed run continues exactly.
@@ -380,13 +385,18 @@ class Scheduler:
     # -- training -----------------------------------------------------------------------
 
     def _trainer_busy(self) -> bool:
-        return self._kinds["annotate"] + self._kinds["train"] > 0
+        return self._kinds["annotate"] + self._kinds["stream"] + self._kinds["train"] > 0
 
     def _feed_trainer(self) -> None:
         if self._trainer_busy():
             return
         step = self.trainer_version + 1
-        if step > self.settings.num_steps or not self._batch_ready(step):
+        if step > self.settings.num_steps:
+            return
+        if self.settings.streaming:
+            self._stream(step)
+            return
+        if not self._batch_ready(step):
             return
         if self.settings.release_memory and self._is_generating():
             return  # time-sliced devices: the engines have them
@@ -410,6 +420,36 @@ class Scheduler:
         self.turns.to_trainer()
         self.trace.begin("trainer", "train", step)
         self._await(self.trainer.train(step, samples, scores), "train", step)
+
+    def _stream(self, step: int) -> None:
+        """Settings.streaming: each kept group of the step as soon as it is scored (the trainer
+        sums their gradients exactly, in any order); once all are in, the optimizer step,
+        after the sync of the version they were annotated at. Streaming changes no weights,
+        so it may come before that sync, as an annotation may. (The config checks refuse it on
+        time-sliced devices.)"""
+        ready = self._batch_ready(step)
+        if self.carry is not None and not ready:
+            return  # a step's groups are known once a boundary has selected them
+        kept = self._kept(step)
+        waiting = [group for group in kept if not group.streamed]
+        if waiting:
+            group = waiting[0]
+            self.trace.begin("trainer", "train", step)  # its forward and backward
+            future = self.trainer.stream(step, group.samples, group.scores)
+            self._await(future, "stream", group)
+            return
+        if waiting or not ready or self._sync_pending():
+            return
+        if self.carry is not None:
+            self.carry.check_bounds(step, kept)
+        samples = [sample for group in kept for sample in group.samples]
+        scores = [score for group in kept for score in group.scores]
+        self.trace.begin("trainer", "train", step)
+        self._await(self.trainer.finish(step, samples, scores), "train", step)
+
+    def _streamed(self, group: Group, samples: list[Sample]) -> None:
+        self.trace.end("trainer", "train")
+        group.samples, group.annotated, group.streamed = samples, True, True
 
     def _batch_ready(self, step: int) -> bool:
         if self.carry is not None:
@@ -558,6 +598,8 @@ class Scheduler:
             self._scored(*payload, result)
         elif kind == "annotate":
             self._annotated(*payload, result)
+        elif kind == "stream":
+            self._streamed(*payload, result)
         else:
             self._trained(*payload, result)
 

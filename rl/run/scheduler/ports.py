@@ -40,6 +40,8 @@ class Settings:
     max_token_age: int
     max_stale_share: float
     groups_in_flight: int
+    # Train a step group by group as its groups finish (TrainerPort.stream), then `finish`.
+    streaming: bool
 
     @classmethod
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:
@@ -59,6 +61,7 @@ class Settings:
             max_token_age=sched.max_token_age,
             max_stale_share=sched.max_stale_share,
             groups_in_flight=groups_in_flight(sched.groups_in_flight, config.run.prompts_per_step),
+            streaming=sched.streaming,
         )
 
 
@@ -103,6 +106,15 @@ class TrainerPort(Protocol):
     def annotate(self, samples: list[Sample]) -> Future: ...
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
+
+    def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """Settings.streaming: annotate one group of `step` (the future gives its samples
+        back, annotated) and add its gradients to those of the step's groups streamed before
+        it; called in group-id order."""
+
+    def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """Settings.streaming: the optimizer step of `step`, whose groups (`samples`, every
+        one streamed) are in; the future gives train's metrics."""
 
     def release_memory(self) -> None:
         """Move the training state off the devices (time-sliced GPUs); the next call that

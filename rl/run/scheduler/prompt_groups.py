@@ -22,6 +22,9 @@ class Group:
     kept: bool | None = None  # None until scored; then whether its step trains on it
     reward_metrics: dict[str, float] = field(default_factory=dict)  # of its scoring call
     annotated: bool = False
+    # Settings.streaming: its gradients are in the trainer's (not recorded: a resumed run
+    # streams again from zero gradients, in the same order).
+    streamed: bool = False
     # partial_rollout "carry" (rl.run.scheduler.carry_over): the epoch it started in, its place
     # on the token clock once finished (epoch, tokens generated in it), and its samples'
     # lengths when the current epoch opened (not recorded: a checkpoint is at a boundary).

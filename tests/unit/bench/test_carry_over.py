@@ -81,3 +81,11 @@ def test_tables_compare_with_abort_and_show_the_carry_bias() -> None:
     assert "| demo | carry | 2.000 (2.000) | 1,800 | 1.50x | 50% | 25% |" in text
     assert "| demo | abort | 0 | 0.500, 0.750 | 12.0 | 0: 10.0%, 10: 30.0% | 100 |" in text
     assert "| demo | 0 | 9.0 / 12.0 (0.75) | - | - | - | - |" in text
+
+
+def test_stream_is_abort_at_the_same_k_with_the_trainer_streaming() -> None:
+    stream = carry_over.run_overrides("stream", 1, 40, [])
+    abort = carry_over.run_overrides("abort", 1, 40, [])
+    assert "scheduler.partial_rollout=abort" in stream and "scheduler.max_staleness=1" in stream
+    assert "scheduler.streaming=true" in stream and "scheduler.streaming=false" in abort
+    assert set(stream) ^ set(abort) == {"scheduler.streaming=true", "scheduler.streaming=false"}

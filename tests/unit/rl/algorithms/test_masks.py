@@ -13,7 +13,7 @@ from rl.agents.trajectory import add_observation, end_turn
 from rl.algorithms.objective import Objective
 from rl.config import BaseBuildConfig, Config
 from rl.run.batching import build_batch
-from rl.run.experience import KLController, prepare_batch
+from rl.run.experience import prepare_batch
 from rl.types import NOT_SAMPLED, Sample
 from tests.helpers.chat_templates import qwen_tokenizer
 from tests.unit.rl.algorithms.tensors import GARBAGE, close
@@ -110,7 +110,7 @@ def test_an_observation_token_never_receives_gradient(episode_run):
     tokenizer, model, samples, observed = episode_run
     cfg = config()
     batch, _, _ = prepare_batch(
-        cfg, samples, [1.0, 0.0], tokenizer.pad_token_id, KLController(cfg.algorithm)
+        cfg, samples, [1.0, 0.0], tokenizer.pad_token_id, cfg.algorithm.kl_coef
     )
     objective = Objective.from_config(cfg)
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_gae_gives_observations_no_advantage_and_carries_over_them():
         values=[0.5, 0.2, GARBAGE, GARBAGE, 0.4],
     )
     cfg = config(kl_coef=0.0)  # no reference: the rewards are the score alone
-    batch, _, _ = prepare_batch(cfg, [sample], [1.0], 0, KLController(cfg.algorithm))
+    batch, _, _ = prepare_batch(cfg, [sample], [1.0], 0, cfg.algorithm.kl_coef)
     # Targets: s0 at 1, s1 at 2, the observation at 3 and 4, s2 at 5.
     assert close(batch.advantages, [[0, -0.304, 0.24, 0, 0, 0.6]])
     assert close(batch.returns, [[0, 0.196, 0.44, 0, 0, 1.0]])

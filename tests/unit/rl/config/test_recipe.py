@@ -299,3 +299,32 @@ def test_carry_over_is_refused_with_uncorrected_stale_samples_or_an_age_bound_be
             ],
         )
     assert load_config(recipe, carry).scheduler.partial_rollout == "carry"
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        (["trainer.num_mini_batches=2"], "trainer.num_mini_batches=2 and trainer.num_epochs=1"),
+        (["trainer.num_epochs=2"], "trainer.num_mini_batches=1 and trainer.num_epochs=2"),
+        (["algorithm.advantage=reinforce_pp"], "algorithm.advantage=reinforce_pp whitens"),
+        (["scheduler.max_staleness=0"], "colocated at max_staleness=0 the roles take turns"),
+    ],
+)
+def test_streaming_is_refused_where_a_step_cannot_be_trained_group_by_group(
+    overrides: list[str], refusal: str
+) -> None:
+    """One optimizer step a step, advantages a group's own, and devices the trainer may use
+    while the engines generate: a streamed step needs all three."""
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"  # max_staleness 1, colocated, GRPO
+    load_config(recipe, ["scheduler.streaming=true"])
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(recipe, ["scheduler.streaming=true", *overrides])
+    load_config(recipe, overrides)  # each is fine without streaming
+
+
+def test_streaming_takes_gae_only_without_whitening_over_the_step() -> None:
+    recipe = REPO / "recipes/ppo_addition_cpu.yaml"
+    streamed = ["scheduler.streaming=true", "scheduler.max_staleness=1"]
+    with pytest.raises(ConfigError, match="algorithm.advantage=gae with whiten_advantages"):
+        load_config(recipe, [*streamed, "algorithm.whiten_advantages=true"])
+    load_config(recipe, [*streamed, "algorithm.whiten_advantages=false"])

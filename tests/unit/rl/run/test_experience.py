@@ -173,7 +173,7 @@ def test_annotation_fills_each_samples_response_tokens_only() -> None:
 def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
     cfg = _config(recompute_old_logprobs=True, off_policy="token-tis", is_cap=1.5)
     samples = annotate_samples(cfg, _samples(), 0, _Trainers(shift=1.0), None)
-    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, KLController(cfg.algorithm))
+    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, cfg.algorithm.kl_coef)
     assert metrics["off_policy/max_abs_logprob_gap"] == pytest.approx(1.0)
     # exp(1) > 1.5: every response token's weight is truncated at the cap.
     assert batch.is_weights[batch.loss_mask.bool()].tolist() == pytest.approx([1.5] * 3)
@@ -192,10 +192,12 @@ def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
     samples = annotate_samples(cfg, _samples(), 0, trainers, None)
     assert trainers.calls == ["reference"]
     controller = KLController(cfg.algorithm)
-    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller)
+    batch, _, metrics = prepare_batch(cfg, samples, [1.0, 1.0], 0, controller.coef)
     # k1 = old - ref per token: old is behaviour (-0.5), ref is behaviour + 1.0.
     assert metrics["kl/reward_penalty"] == pytest.approx((2 * -1.0 + 1 * -1.0) / 2)
-    assert metrics["kl/coef"] == 0.1 and controller.coef != 0.1
+    assert metrics["kl/coef"] == 0.1
+    controller.adapt(metrics, batch.num_sequences)
+    assert controller.coef != 0.1
     # Equal scores, but the longer response pays more KL: the baseline no longer hides it.
     assert batch.advantages[0, 2].item() != 0.0
 
@@ -224,7 +226,7 @@ def test_a_separate_pass_recomputes_the_proximal_policy_when_the_forward_cannot(
 
 def test_with_the_proximal_from_the_forward_the_batch_carries_no_weights() -> None:
     cfg = _config(scheduler={"max_staleness": 1}, off_policy="token-tis")
-    batch, _, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, KLController(cfg.algorithm))
+    batch, _, metrics = prepare_batch(cfg, _samples(), [1.0, 0.0], 0, cfg.algorithm.kl_coef)
     assert batch.is_weights is None and "off_policy/weight_mean" not in metrics
     assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)
 

@@ -242,6 +242,11 @@ class FakeTrainer:
     running: int = 0  # annotate and train calls not returned yet
     # (version, the (group, index) of each sample) per annotate call
     annotate_calls: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    # Settings.streaming: per step, the (group, index) of each sample streamed, in call order;
+    # and (trainer version, group) per stream call.
+    streamed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    stream_calls: list[tuple[int, int]] = field(default_factory=list)
+    streamed_while_generating: int = 0  # stream calls made while samples were generating
 
     def __post_init__(self) -> None:
         self.pushed = self.version  # the version last pushed: a resumed run's rollout serves it
@@ -258,6 +263,30 @@ class FakeTrainer:
             return samples
 
         return _later(self.rng, 2, fill)
+
+    def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """One group's annotation and gradients (Settings.streaming), recorded in call order."""
+        assert step == self.version + 1
+        assert len({s.group_id for s in samples}) == 1, "a streamed call holds one group"
+        streamed = self.streamed.setdefault(step, [])
+        assert all(key[0] != samples[0].group_id for key in streamed), "a group streamed twice"
+        streamed.extend((s.group_id, s.index) for s in samples)
+        self.stream_calls.append((self.version, samples[0].group_id))
+        self.streamed_while_generating += self.rollout.num_active > 0
+        if not self.needs_annotation:
+            self._compute()
+            return _later(self.rng, 2, lambda: self._returned(samples))
+        return self.annotate(samples)
+
+    def _returned(self, samples: list[Sample]) -> list[Sample]:
+        self.running -= 1
+        return samples
+
+    def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
+        """The optimizer step of a streamed step: every sample it trains on was streamed, in
+        whatever order (the real trainer's sum does not depend on it)."""
+        assert sorted(self.streamed.get(step, [])) == [(s.group_id, s.index) for s in samples]
+        return self.train(step, samples, scores)
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
         assert step == self.version + 1
