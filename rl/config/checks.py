@@ -262,6 +262,13 @@ def _check_streaming(cfg: Config, path: Path | str) -> None:
             "over the whole step (use a per-group estimator such as grpo or rloo, set "
             "algorithm.whiten_advantages=false for gae, or drop streaming)"
         )
+    if cfg.model.lora.enabled and cfg.model.lora.dropout > 0:
+        raise ConfigError(
+            f"{path}: scheduler.streaming trains a step's groups in the order they finish, "
+            f"which timing decides, and model.lora.dropout={cfg.model.lora.dropout} draws each "
+            "group's masks in that order: the run would not be reproducible (set "
+            "model.lora.dropout=0, or drop streaming)"
+        )
     if cfg.scheduler.time_sliced:
         raise ConfigError(
             f"{path}: scheduler.streaming trains while the step's tail generates; colocated at "

@@ -21,13 +21,18 @@ from trainer.policy import PolicyTrainer
 pytestmark = pytest.mark.integration
 
 GROUPS = [[0, 1], [2, 3, 4], [5]]  # uneven, so no group stands for the batch's average
-AGGREGATIONS = ["token-mean", "seq-mean-token-mean"]
+# Two loss aggregations (denominators in tokens and in sequences), and LoRA adapters.
+VARIANTS = {
+    "token-mean": ("token-mean", 0),
+    "seq-mean-token-mean": ("seq-mean-token-mean", 0),
+    "lora": ("token-mean", 4),
+}
 
 
-def _config(model_dir: Path, loss_agg: str) -> Config:
+def _config(model_dir: Path, loss_agg: str, lora_rank: int) -> Config:
     return Config.model_validate(
         {
-            "model": {"path": str(model_dir)},
+            "model": {"path": str(model_dir), "lora": {"rank": lora_rank}},
             "rollout": {"temperature": 0.8},
             "trainer": {"num_workers": 2, "micro_batch_size": 2, "lr": 1e-2},
             # A step of 3 prompts x 2 samples: the nominal sequences a streamed step scales by.
@@ -45,7 +50,13 @@ def _trained(rank: int, cfg: Config, port: int, order: list[int] | None) -> dict
     grads, optimizer_step = {}, trainer._optimizer_step
 
     def record_grads(loss: float):
-        grads.update({name: _local(p.grad) for name, p in trainer.policy.named_parameters()})
+        grads.update(
+            {
+                name: _local(p.grad)
+                for name, p in trainer.policy.named_parameters()
+                if p.grad is not None  # LoRA: the frozen base has none
+            }
+        )
         return optimizer_step(loss)
 
     trainer._optimizer_step = record_grads
@@ -64,9 +75,9 @@ def _trained(rank: int, cfg: Config, port: int, order: list[int] | None) -> dict
 
 def _rank_main(rank: int, model_dir: Path, ports: list[int], out: Path) -> None:
     result, port = {}, iter(ports)
-    for agg in AGGREGATIONS:
-        cfg = _config(model_dir, agg)
-        result[agg] = {
+    for variant, (loss_agg, lora_rank) in VARIANTS.items():
+        cfg = _config(model_dir, loss_agg, lora_rank)
+        result[variant] = {
             "whole": _trained(rank, cfg, next(port), order=None),
             "streamed": _trained(rank, cfg, next(port), order=[0, 1, 2]),
             "reordered": _trained(rank, cfg, next(port), order=[2, 0, 1]),
@@ -78,15 +89,16 @@ def test_a_streamed_step_equals_the_whole_batchs_and_is_the_same_bits_in_any_gro
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     assert sorted(row for rows in GROUPS for row in rows) == list(range(NUM_ROWS))
-    ports = free_ports(3 * len(AGGREGATIONS))
+    ports = free_ports(3 * len(VARIANTS))
     mp.spawn(_rank_main, args=(tiny_model_dir, ports, tmp_path), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        for agg in AGGREGATIONS:
+        for variant in VARIANTS:
             whole, streamed, again = (
-                result[agg][run] for run in ("whole", "streamed", "reordered")
+                result[variant][run] for run in ("whole", "streamed", "reordered")
             )
             assert not streamed["grads_left"] and not whole["grads_left"]
+            assert streamed["grads"].keys() == whole["grads"].keys()
             for name, grad in whole["grads"].items():
                 # Equal in exact arithmetic (the same sum, divided last): the fixed point's
                 # and fp32's rounding apart.

@@ -131,20 +131,27 @@ def test_two_grpo_steps_update_weights_and_survive_a_faulty_reward_function(
     assert "flaky scores" not in capfd.readouterr().out
 
 
-@pytest.mark.parametrize("partial", ["finish", "carry"])
+@pytest.mark.parametrize("partial", ["finish", "carry", "streaming"])
 def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights(
     shared_dir: Path, tmp_path: Path, partial: str
 ) -> None:
     """Also under partial_rollout carry at k = 1: samples stop every 2 tokens and groups carry
     over to later steps, their values, reference and proximal log-probs computed when their
-    step trains."""
-    carry = {"max_staleness": 1, "partial_rollout": "carry", "abort_every": 2}
+    step trains. And with the trainer streaming at k = 1: each group's values and log-probs
+    as it finishes, the critic's step and the KL coefficient's adaptation at the step's end
+    (GAE unwhitened: a group's advantages are its own)."""
+    scheduler = {
+        "finish": {},
+        "carry": {"max_staleness": 1, "partial_rollout": "carry", "abort_every": 2},
+        "streaming": {"max_staleness": 1, "streaming": True},
+    }[partial]
     cfg = _config(
         shared_dir,
         tmp_path,
         f"ppo-{partial}",
-        scheduler=carry if partial == "carry" else {},
+        scheduler=scheduler,
         algorithm={
+            "whiten_advantages": partial != "streaming",
             "advantage": "gae",
             "lam": 0.95,
             "kl_coef": 0.01,
@@ -165,7 +172,7 @@ def test_two_ppo_steps_train_the_critic_with_kl_in_reward_and_off_policy_weights
         if partial == "finish":
             # On-policy in fp32: the trainer's proximal log-probs match vLLM's behaviour ones.
             assert record["off_policy/max_abs_logprob_gap"] < 1e-3
-        else:
+        elif partial == "carry":
             assert record["carry/carried_groups"] > 0 and record["carry/max_token_age"] <= 4
     assert records[2]["kl/coef"] != records[1]["kl/coef"]  # adaptive
     assert final["rollout/version"] == 2

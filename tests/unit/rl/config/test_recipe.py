@@ -308,13 +308,14 @@ def test_carry_over_is_refused_with_uncorrected_stale_samples_or_an_age_bound_be
         (["trainer.num_epochs=2"], "trainer.num_mini_batches=1 and trainer.num_epochs=2"),
         (["algorithm.advantage=reinforce_pp"], "algorithm.advantage=reinforce_pp whitens"),
         (["scheduler.max_staleness=0"], "colocated at max_staleness=0 the roles take turns"),
+        (["model.lora.rank=8", "model.lora.dropout=0.1"], "model.lora.dropout=0.1 draws"),
     ],
 )
 def test_streaming_is_refused_where_a_step_cannot_be_trained_group_by_group(
     overrides: list[str], refusal: str
 ) -> None:
-    """One optimizer step a step, advantages a group's own, and devices the trainer may use
-    while the engines generate: a streamed step needs all three."""
+    """One optimizer step a step, advantages a group's own, devices the trainer may use while
+    the engines generate, and nothing random drawn in the groups' arrival order."""
     recipe = REPO / "recipes/grpo_addition_cpu.yaml"  # max_staleness 1, colocated, GRPO
     load_config(recipe, ["scheduler.streaming=true"])
     with pytest.raises(ConfigError, match=refusal):
