@@ -157,8 +157,9 @@ class PolicyTrainer(RoleRank):
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
 
         The loss is normalised by the global weight sum of the whole mini-batch (or by
-        `denominator`: 1 for a streamed group, whose step divides at its end), so after every
-        rank has run, the sharded gradients equal those of one process on the full `batch`.
+        `denominator`: a streamed group's scale, its step dividing by its own at the end), so
+        after every rank has run, the sharded gradients equal those of one process on the full
+        `batch`.
         FSDP2 reduce-scatters gradients with ReduceOp.AVG (divides by the world size) for
         fp32/bf16; we want the SUM of the ranks' partial gradients, so each rank's loss is
         scaled by world_size before backward (this works for gloo and nccl alike, whereas a

@@ -438,7 +438,7 @@ class Scheduler:
             future = self.trainer.stream(step, group.samples, group.scores)
             self._await(future, "stream", group)
             return
-        if waiting or not ready or self._sync_pending():
+        if not ready or self._sync_pending():
             return
         if self.carry is not None:
             self.carry.check_bounds(step, kept)
