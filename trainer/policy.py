@@ -48,12 +48,12 @@ from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
 _TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref", "is_weight")
-# Counts a streamed step adds up over its groups (PolicyTrainer.step_accumulated).
+# Counts a streamed step adds up over its chunks (PolicyTrainer.step_accumulated).
 _SUMMED = ("tokens", "trained_tokens", "skipped_rows", "rows")
-# A streamed step's gradient sum (PolicyTrainer.accumulate_group), in units of
+# A streamed step's gradient sum (PolicyTrainer.accumulate_chunk), in units of
 # 1/_FIXED_POINT_UNIT of the gradient of the loss summed over tokens and divided by the step's
 # nominal number of sequences: per sequence, so its size does not grow with the step's, and
-# room up to _FIXED_POINT_RANGE (an int64's, with headroom for the sum of a step's groups).
+# room up to _FIXED_POINT_RANGE (an int64's, with headroom for the sum of a step's chunks).
 _FIXED_POINT_UNIT = 2.0**32
 _FIXED_POINT_RANGE = 2.0**62
 
@@ -114,10 +114,10 @@ class PolicyTrainer(RoleRank):
         self.residency = DeviceResidency(
             self.device, [self.policy, *frozen], self.optimizer, cfg.trainer.offload
         )
-        # scheduler.streaming (accumulate_group): the metrics of the groups accumulated since
-        # the last optimizer step by group id, the seconds they took, the gradient shards'
-        # fixed-point sum (8 bytes a parameter of this rank's shards, kept between steps) and
-        # whether a group's gradient fell out of its range.
+        # scheduler.streaming (accumulate_chunk): the metrics of the chunks accumulated since
+        # the last optimizer step by first group id, the seconds they took, the gradient
+        # shards' fixed-point sum (8 bytes a parameter of this rank's shards, kept between
+        # steps) and whether a chunk's gradient fell out of its range.
         self._accumulated: dict[int, dict[str, float]] = {}
         self._accumulated_s = 0.0
         self._fixed: dict[nn.Parameter, torch.Tensor] = {}
@@ -157,7 +157,7 @@ class PolicyTrainer(RoleRank):
         """Forward/backward of one mini-batch (this rank's rows), summing gradients into .grad.
 
         The loss is normalised by the global weight sum of the whole mini-batch (or by
-        `denominator`: a streamed group's scale, its step dividing by its own at the end), so
+        `denominator`: a streamed chunk's scale, its step dividing by its own at the end), so
         after every rank has run, the sharded gradients equal those of one process on the full
         `batch`.
         FSDP2 reduce-scatters gradients with ReduceOp.AVG (divides by the world size) for
@@ -244,20 +244,20 @@ class PolicyTrainer(RoleRank):
         rows_run = batch.num_sequences * self.cfg.trainer.num_epochs
         return self._report(updates, rows_run, time.perf_counter() - start)
 
-    def accumulate_group(self, batch: Batch, key: int) -> None:
-        """scheduler.streaming: forward/backward of one group of the step (a batch of its own,
-        annotated), its loss summed over tokens and divided by the step's nominal number of
-        sequences (`step_accumulated` divides by the real denominator), its gradient added to
-        the step's in fixed point.
+    def accumulate_chunk(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: forward/backward of one chunk of the step's groups (a batch of
+        its own, annotated), its loss summed over tokens and divided by the step's nominal
+        number of sequences (`step_accumulated` divides by the real denominator), its gradient
+        added to the step's in fixed point.
 
-        Groups arrive in the order they finish, which timing decides, and a float sum depends
-        on its order; an integer sum does not. So each group's gradient (fixed by the group
-        alone: its micro-batches never span two groups) is rounded to a multiple of
+        Chunks arrive in the order they complete, which timing decides, and a float sum
+        depends on its order; an integer sum does not. So each chunk's gradient (fixed by the
+        chunk alone: its micro-batches never span two chunks) is rounded to a multiple of
         1/_FIXED_POINT_UNIT and added to an int64 copy of the gradient shards, and metrics
-        are kept under `key` (the group's id) and summed in key order: the step is the same
-        bits whatever order the groups came in. It equals train_step's on the whole batch up to
-        that rounding and fp32's (test_streamed_step)."""
-        assert key not in self._accumulated, f"group {key} accumulated twice"
+        are kept under `key` (the chunk's first group id) and summed in key order: the step is
+        the same bits whatever order the chunks came in. It equals train_step's on the whole
+        batch up to that rounding and fp32's (test_streamed_step)."""
+        assert key not in self._accumulated, f"chunk {key} accumulated twice"
         if not self._accumulated:
             self.residency.ensure_on_device()
             reset_peak_memory(self.device)
@@ -277,18 +277,18 @@ class PolicyTrainer(RoleRank):
                 if fixed is None:
                     fixed = self._fixed[param] = torch.zeros_like(grad, dtype=torch.int64)
                 fixed += scaled.clamp(-_FIXED_POINT_RANGE, _FIXED_POINT_RANGE).round().long()
-                grad.zero_()  # the next group's backward adds to 0: its gradient alone
+                grad.zero_()  # the next chunk's backward adds to 0: its gradient alone
         self._accumulated_s += time.perf_counter() - start
 
     def step_accumulated(self) -> dict[str, float]:
-        """The optimizer step over the groups `accumulate_group` took since the last step
+        """The optimizer step over the chunks `accumulate_chunk` took since the last step
         (at least one): the fixed-point sum divided by the step's loss denominator, then as a
         train_step of one mini-batch; returns train_step's metrics."""
-        assert self._accumulated, "an optimizer step with no group accumulated"
+        assert self._accumulated, "an optimizer step with no chunk accumulated"
         start = time.perf_counter()
-        groups = [self._accumulated[key] for key in sorted(self._accumulated)]
+        chunks = [self._accumulated[key] for key in sorted(self._accumulated)]
         self._accumulated = {}
-        denominator = sum(group["denominator"] for group in groups)
+        denominator = sum(chunk["denominator"] for chunk in chunks)
         denominator = denominator if denominator > 0 else 1.0  # empty: the loss is 0
         overflow = bool(self._overflow.item())
         rescale = self._nominal_sequences / denominator
@@ -301,15 +301,15 @@ class PolicyTrainer(RoleRank):
                     grad.copy_(fixed.double() / _FIXED_POINT_UNIT * rescale)
                 fixed.zero_()
         self._overflow.zero_()
-        tokens = sum(group["tokens"] for group in groups)
+        tokens = sum(chunk["tokens"] for chunk in chunks)
         merged = {
-            name: sum(group[name] * group["tokens"] for group in groups) / max(tokens, 1.0)
+            name: sum(chunk[name] * chunk["tokens"] for chunk in chunks) / max(tokens, 1.0)
             for name in _TOKEN_METRICS
-            if name in groups[0]
+            if name in chunks[0]
         }
         merged.update(
-            loss=sum(group["loss"] for group in groups) * rescale,
-            **{key: sum(group[key] for group in groups) for key in _SUMMED},
+            loss=sum(chunk["loss"] for chunk in chunks) * rescale,
+            **{key: sum(chunk[key] for chunk in chunks) for key in _SUMMED},
         )
         update = (merged, self._optimizer_step(merged["loss"]))
         seconds, self._accumulated_s = self._accumulated_s + time.perf_counter() - start, 0.0

@@ -76,9 +76,9 @@ class TrainWorker(RankWorker):
         """The log-probs [B, T-1] of `batch`, the same on every rank (collective)."""
         return self.trainer.compute_logprobs(batch, model)
 
-    def accumulate_group(self, batch: Batch, key: int) -> None:
-        """scheduler.streaming: one group's gradients added (collective)."""
-        self.trainer.accumulate_group(batch, key)
+    def accumulate_chunk(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: one chunk's gradients added (collective)."""
+        self.trainer.accumulate_chunk(batch, key)
 
     def step_accumulated(self) -> dict[str, float]:
         return self.trainer.step_accumulated()

@@ -13,6 +13,7 @@ Placements, as `rl.cluster` lays out a run:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -85,7 +86,10 @@ class Schedule:
     max_token_age: int = SchedulerConfig.model_fields["max_token_age"].default
     max_stale_share: float = SchedulerConfig.model_fields["max_stale_share"].default
     groups_in_flight: int = 0
-    streaming: bool = False  # scheduler.streaming: the trainer takes a step group by group
+    streaming: bool = False  # scheduler.streaming: the trainer takes a step chunk by chunk
+    # Groups a streamed chunk holds; 0: enough for a sample on every trainer GPU (the
+    # config's default fills one micro-batch on every rank).
+    stream_groups: int = 0
 
     def label(self) -> str:
         mode = self.partial_rollout
@@ -185,7 +189,8 @@ class SimTrainer:
         return self._start(self.cost.train_s(self._lengths(samples), gpus), {})
 
     def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        """One group's annotation and forward/backward: training's cost is per token."""
+        """One chunk's annotation and forward/backward: training's cost is per token (a
+        chunk is taken to fill every trainer GPU)."""
         gpus, lengths = self.placement.trainer_gpus, self._lengths(samples)
         seconds = self.cost.train_s(lengths, gpus)
         if self.needs_annotation:
@@ -312,6 +317,8 @@ def simulate(
         max_stale_share=schedule.max_stale_share,
         groups_in_flight=groups_in_flight(schedule.groups_in_flight, workload.groups_per_step),
         streaming=schedule.streaming,
+        stream_groups=schedule.stream_groups
+        or math.ceil(placement.trainer_gpus / workload.group_size),
     )
     # The trace's lanes stand for one device each: the simulation measures its GPUs itself.
     lanes = {f"rollout-{i}": [i] for i in range(num_engines)}

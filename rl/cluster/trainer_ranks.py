@@ -72,10 +72,11 @@ class PolicyRanks(RoleRanks):
         """Log-probs [B, T-1] of `batch` under the policy or the frozen reference."""
         return on_every_rank(self.workers, "compute_logprobs", batch, model)
 
-    def accumulate_group(self, batch: Batch, key: int) -> None:
-        """scheduler.streaming: forward/backward of one group of the step (`key`: its id), its
-        gradients added to the step's whatever the order (PolicyTrainer.accumulate_group)."""
-        on_every_rank(self.workers, "accumulate_group", batch, key)
+    def accumulate_chunk(self, batch: Batch, key: int) -> None:
+        """scheduler.streaming: forward/backward of one chunk of the step's groups (`key`: its
+        first group id), its gradients added to the step's in any order, exactly
+        (PolicyTrainer.accumulate_chunk)."""
+        on_every_rank(self.workers, "accumulate_chunk", batch, key)
 
     def step_accumulated(self) -> dict[str, float]:
         """The optimizer step over the groups accumulated since the last one; metrics as

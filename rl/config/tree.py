@@ -11,6 +11,7 @@ reporting) to the model, data, rollout, trainer, algorithm, critic and reward se
 from __future__ import annotations
 
 import fnmatch
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -93,10 +94,19 @@ class SchedulerConfig(Section):
     )
     streaming: bool = Field(
         False,
-        description="Train a step group by group as its groups finish (old/reference "
-        "log-probs, values, forward and backward), in group-id order, and take the optimizer "
-        "step once the last is in: the trainer works while the step's tail generates "
-        "(docs/scale.md, 'Streaming trainer').",
+        description="Train a step chunk by chunk (stream_chunks) as its groups finish "
+        "(old/reference log-probs, values, forward and backward), and take the optimizer step "
+        "once the last is in: the trainer works while the step's tail generates; gradients "
+        "are summed exactly, so the order chunks finish in does not matter (docs/scale.md, "
+        "'Streaming trainer').",
+    )
+    stream_groups: int = Field(
+        0,
+        ge=0,
+        description="streaming: groups a chunk holds; a step's chunks are consecutive runs of "
+        "its groups by id, each trained once all its groups are scored. Smaller chunks start "
+        "training earlier; each costs a forward/backward pass on every trainer rank (0 = enough "
+        "for one micro-batch on every rank: trainer.num_workers x micro_batch_size sequences).",
     )
     abort_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
@@ -120,6 +130,12 @@ class SchedulerConfig(Section):
         the version the rollout serves, and the run stays exact. It costs host memory for one
         more copy of the trained parameters, split over the ranks."""
         return self.max_staleness >= 1
+
+
+def stream_groups(configured: int, trainer: TrainerConfig, group_size: int) -> int:
+    """scheduler.stream_groups, where 0 means a micro-batch of sequences on every trainer
+    rank: fewer would leave ranks computing padding rows for nothing."""
+    return configured or math.ceil(trainer.num_workers * trainer.micro_batch_size / group_size)
 
 
 def groups_in_flight(configured: int, groups_per_step: int) -> int:

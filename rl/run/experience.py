@@ -220,14 +220,14 @@ class TrainerSide:
         return self._thread.submit(self._train, samples, scores, streamed=True)
 
     def _stream(self, samples: list[Sample], scores: list[float]) -> list[Sample]:
-        """One group of a streamed step: annotated at the weights the step starts from (no
-        optimizer step comes before its end), its batch built alone (its advantages are its
-        own: the config checks refuse estimators that whiten over the step) and its gradients
-        added to the step's, in an order-independent exact sum."""
+        """One chunk of a streamed step's groups: annotated at the weights the step starts from
+        (no optimizer step comes before its end), its batch built alone (each group's
+        advantages are its own: the config checks refuse estimators that whiten over the step)
+        and its gradients added to the step's, in an order-independent exact sum."""
         if self.needs_annotation:
             annotate_samples(self.cfg, samples, self.pad_id, self.trainers, self.critic)
         batch, _, _ = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller.coef)
-        self.trainers.accumulate_group(batch, samples[0].group_id)
+        self.trainers.accumulate_chunk(batch, samples[0].group_id)
         return samples
 
     def _train(

@@ -32,10 +32,11 @@ generation runs in epochs whose segments all stop at abort points, and at each b
 clock, within a bound on every token's age and on the share of stale tokens; the version the
 next epoch samples with is pushed there, and fresh groups start there (`_boundary_if_due`).
 With `streaming` the trainer does not wait for a step's last group: it annotates and
-backpropagates each group as soon as it is scored, and takes the optimizer step once all are
-in (`_stream`). The groups come in the order they finish, which timing decides; the trainer
-sums their gradients in fixed point, exactly, and their metrics in id order, so the step does
-not depend on that order (PolicyTrainer.accumulate_group).
+backpropagates a chunk of the step's groups (fixed by their ids) as soon as all its groups
+are scored, and takes the optimizer step once all are in (`_stream`). Chunks come in the order
+they complete, which timing decides; the trainer sums their gradients in fixed point, exactly,
+and their metrics in id order, so the step does not depend on that order
+(PolicyTrainer.accumulate_chunk).
 The state at a sync (`state_dict`: the groups not trained yet, with their tokens, and
 admission's counts, or under "carry" its bookkeeping) is what a checkpoint records, so a
 resumed run continues exactly.
@@ -128,6 +129,7 @@ class Scheduler:
         self._generating: list[dict[int, Group]] = [{} for _ in range(rollout.num_workers)]
         self._polled: set[int] = set()
         self._finished: dict[int, list[Group]] = {}  # step -> scored groups, kept or not
+        self._unscored: dict[int, set[int]] = {}  # step -> ids of its groups started, not scored
         self._partial: list[Group] = []  # groups stopped partial: the next version's
         self._interrupted = False  # generation aborted for the sync that is due
         # Groups may start for every step admission allows (at a sync), or else only for the
@@ -170,6 +172,8 @@ class Scheduler:
                     continue
                 if group.kept is None:
                     self._partial.append(group)  # resumes first, as after that sync
+                    if self.carry is None:
+                        self._unscored.setdefault(group.step, set()).add(group.group_id)
                 elif group.step == 0:  # carry: finished, no step selected it yet
                     waiting.append(group)
                 else:
@@ -236,6 +240,7 @@ class Scheduler:
             example, samples = self.next_group(group_id)
             self.admission.start(step, self.rollout_version)
             groups.append(Group(group_id, step, example, samples))
+            self._unscored.setdefault(step, set()).add(group_id)
         self._generate(groups)
 
     def _resume_waiting(self) -> None:
@@ -325,6 +330,7 @@ class Scheduler:
             self.carry.finished(group)
             return
         self.admission.finish(group.step, group.kept)
+        self._unscored[group.step].discard(group.group_id)
         self._finished.setdefault(group.step, []).append(group)
 
     def _await(self, future: Future, kind: str, *payload: object) -> None:
@@ -422,23 +428,26 @@ class Scheduler:
         self._await(self.trainer.train(step, samples, scores), "train", step)
 
     def _stream(self, step: int) -> None:
-        """Settings.streaming: each kept group of the step as soon as it is scored (the trainer
-        sums their gradients exactly, in any order); once all are in, the optimizer step,
-        after the sync of the version they were annotated at. Streaming changes no weights,
-        so it may come before that sync, as an annotation may. (The config checks refuse it on
-        time-sliced devices.)"""
+        """Settings.streaming: the step's groups go to the trainer in chunks of
+        `stream_groups`, by position in id order among the groups started for the step, so a
+        chunk is the same groups in every run; each chunk as soon as all its groups are
+        scored, in whatever order chunks complete (the trainer sums their gradients exactly,
+        in any order). Once all are in, the optimizer step, after the sync of the version
+        they were annotated at. Streaming changes no weights, so it may come before that
+        sync, as an annotation may. (The config checks refuse it on time-sliced devices.)"""
         ready = self._batch_ready(step)
         if self.carry is not None and not ready:
             return  # a step's groups are known once a boundary has selected them
+        for chunk in self._chunks(step, ready):
+            kept = [group for group in chunk if group.kept and not group.streamed]
+            if kept:
+                samples = [sample for group in kept for sample in group.samples]
+                scores = [score for group in kept for score in group.scores]
+                self.trace.begin("trainer", "train", step)  # its forward and backward
+                self._await(self.trainer.stream(step, samples, scores), "stream", kept)
+                return
         kept = self._kept(step)
-        waiting = [group for group in kept if not group.streamed]
-        if waiting:
-            group = waiting[0]
-            self.trace.begin("trainer", "train", step)  # its forward and backward
-            future = self.trainer.stream(step, group.samples, group.scores)
-            self._await(future, "stream", group)
-            return
-        if not ready or self._sync_pending():
+        if not ready or self._sync_pending() or not all(group.streamed for group in kept):
             return
         if self.carry is not None:
             self.carry.check_bounds(step, kept)
@@ -447,9 +456,23 @@ class Scheduler:
         self.trace.begin("trainer", "train", step)
         self._await(self.trainer.finish(step, samples, scores), "train", step)
 
-    def _streamed(self, group: Group, samples: list[Sample]) -> None:
+    def _chunks(self, step: int, ready: bool) -> Iterator[list[Group]]:
+        """The step's chunks whose groups are all scored: consecutive runs of stream_groups
+        of the groups started for it, in id order (the last one shorter once the step is
+        complete). A chunk's groups never change: groups started later have larger ids."""
+        size = self.settings.stream_groups
+        scored = {group.group_id: group for group in self._finished.get(step, [])}
+        started = sorted([*scored, *self._unscored.get(step, ())])
+        for first in range(0, len(started), size):
+            ids = started[first : first + size]
+            if (len(ids) == size or ready) and all(i in scored for i in ids):
+                yield [scored[i] for i in ids]
+
+    def _streamed(self, groups: list[Group], samples: list[Sample]) -> None:
         self.trace.end("trainer", "train")
-        group.samples, group.annotated, group.streamed = samples, True, True
+        for group in groups:
+            group.samples, samples = samples[: len(group.samples)], samples[len(group.samples) :]
+            group.annotated = group.streamed = True
 
     def _batch_ready(self, step: int) -> bool:
         if self.carry is not None:
@@ -473,6 +496,7 @@ class Scheduler:
         self.trainer_version = step
         if self.carry is None:
             self.admission.retire(step)
+            assert not self._unscored.pop(step, None), f"step {step} trained with groups unscored"
         kept = self._kept(step)
         if self.settings.abort_every == "auto" and kept:
             lengths = [len(sample.response_ids) for group in kept for sample in group.samples]

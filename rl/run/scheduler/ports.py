@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rl.config import Config, PartialRollout
-from rl.config.tree import groups_in_flight
+from rl.config.tree import groups_in_flight, stream_groups
 from rl.types import Sample, SamplingParams
 
 
@@ -40,8 +40,10 @@ class Settings:
     max_token_age: int
     max_stale_share: float
     groups_in_flight: int
-    # Train a step group by group as its groups finish (TrainerPort.stream), then `finish`.
+    # Train a step chunk by chunk as its groups finish (TrainerPort.stream), then `finish`;
+    # a chunk is this many groups (consecutive among the step's started ones, by id).
     streaming: bool
+    stream_groups: int
 
     @classmethod
     def from_config(cls, config: Config, use_gpu: bool) -> Settings:
@@ -62,6 +64,7 @@ class Settings:
             max_stale_share=sched.max_stale_share,
             groups_in_flight=groups_in_flight(sched.groups_in_flight, config.run.prompts_per_step),
             streaming=sched.streaming,
+            stream_groups=stream_groups(sched.stream_groups, config.trainer, algo.group_size),
         )
 
 
@@ -108,9 +111,9 @@ class TrainerPort(Protocol):
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future: ...
 
     def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        """Settings.streaming: annotate one group of `step` (the future gives its samples
-        back, annotated) and add its gradients to those of the step's groups streamed before
-        it; called in group-id order."""
+        """Settings.streaming: annotate one chunk of `step`'s groups (the future gives its
+        samples back, annotated) and add its gradients to those of the step's chunks streamed
+        before it, exactly, so that their order does not matter."""
 
     def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
         """Settings.streaming: the optimizer step of `step`, whose groups (`samples`, every

@@ -1,6 +1,6 @@
 """A streamed step (scheduler.streaming) on a real 2-rank gloo group: the gradients of a step's
-groups, accumulated one group per call with the loss divided at the end, give the optimizer
-step that train_step takes on the whole batch, and the same bits in whatever order the groups
+chunks, accumulated one chunk per call with the loss divided at the end, give the optimizer
+step that train_step takes on the whole batch, and the same bits in whatever order the chunks
 come."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trainer.policy import PolicyTrainer
 
 pytestmark = pytest.mark.integration
 
-GROUPS = [[0, 1], [2, 3, 4], [5]]  # uneven, so no group stands for the batch's average
+CHUNKS = [[0, 1], [2, 3, 4], [5]]  # uneven, so no chunk stands for the batch's average
 # Two loss aggregations (denominators in tokens and in sequences), and LoRA adapters.
 VARIANTS = {
     "token-mean": ("token-mean", 0),
@@ -45,7 +45,7 @@ def _config(model_dir: Path, loss_agg: str, lora_rank: int) -> Config:
 def _trained(rank: int, cfg: Config, port: int, order: list[int] | None) -> dict:
     """This rank's shards of the gradients the optimizer stepped with and of the parameters
     after, and the metrics, of one step on `_make_batch(0)`: whole (`order` None), or
-    streamed group by group in `order` (indices into GROUPS, each group's id)."""
+    streamed chunk by chunk in `order` (indices into CHUNKS, each chunk's key)."""
     trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port)
     grads, optimizer_step = {}, trainer._optimizer_step
 
@@ -62,8 +62,8 @@ def _trained(rank: int, cfg: Config, port: int, order: list[int] | None) -> dict
     trainer._optimizer_step = record_grads
     batch = _make_batch(seed=0)
     if order is not None:
-        for group in order:
-            trainer.accumulate_group(batch.select(torch.tensor(GROUPS[group])), key=group)
+        for chunk in order:
+            trainer.accumulate_chunk(batch.select(torch.tensor(CHUNKS[chunk])), key=chunk)
         metrics = trainer.step_accumulated()
     else:
         metrics = trainer.train_step(batch)
@@ -85,10 +85,10 @@ def _rank_main(rank: int, model_dir: Path, ports: list[int], out: Path) -> None:
     torch.save(result, out / f"rank{rank}.pt")
 
 
-def test_a_streamed_step_equals_the_whole_batchs_and_is_the_same_bits_in_any_group_order(
+def test_a_streamed_step_equals_the_whole_batchs_and_is_the_same_bits_in_any_chunk_order(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    assert sorted(row for rows in GROUPS for row in rows) == list(range(NUM_ROWS))
+    assert sorted(row for rows in CHUNKS for row in rows) == list(range(NUM_ROWS))
     ports = free_ports(3 * len(VARIANTS))
     mp.spawn(_rank_main, args=(tiny_model_dir, ports, tmp_path), nprocs=2)
     for rank in range(2):

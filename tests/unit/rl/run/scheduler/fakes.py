@@ -243,9 +243,9 @@ class FakeTrainer:
     # (version, the (group, index) of each sample) per annotate call
     annotate_calls: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
     # Settings.streaming: per step, the (group, index) of each sample streamed, in call order;
-    # and (trainer version, group) per stream call.
+    # and (trainer version, the chunk's group ids) per stream call.
     streamed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    stream_calls: list[tuple[int, int]] = field(default_factory=list)
+    stream_calls: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     streamed_while_generating: int = 0  # stream calls made while samples were generating
 
     def __post_init__(self) -> None:
@@ -265,13 +265,13 @@ class FakeTrainer:
         return _later(self.rng, 2, fill)
 
     def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        """One group's annotation and gradients (Settings.streaming), recorded in call order."""
+        """One chunk's annotation and gradients (Settings.streaming), recorded in call order."""
         assert step == self.version + 1
-        assert len({s.group_id for s in samples}) == 1, "a streamed call holds one group"
+        groups = sorted({s.group_id for s in samples})
         streamed = self.streamed.setdefault(step, [])
-        assert all(key[0] != samples[0].group_id for key in streamed), "a group streamed twice"
+        assert not {key[0] for key in streamed} & set(groups), "a group streamed twice"
         streamed.extend((s.group_id, s.index) for s in samples)
-        self.stream_calls.append((self.version, samples[0].group_id))
+        self.stream_calls.append((self.version, tuple(groups)))
         self.streamed_while_generating += self.rollout.num_active > 0
         if not self.needs_annotation:
             self._compute()

@@ -52,6 +52,7 @@ def _run(
     max_stale_share: float = 0.5,
     groups_in_flight: int = 6,
     streaming: bool = False,
+    stream_groups: int = 1,
 ):
     """A `num_steps`-step run; `seed` draws the timings and placements only. `in_flight`: resume at
     `start_version` from a state the run recorded (as JSON, as a checkpoint holds it)."""
@@ -71,6 +72,7 @@ def _run(
         max_stale_share=max_stale_share,
         groups_in_flight=groups_in_flight,
         streaming=streaming,
+        stream_groups=stream_groups,
     )
     rollout = FakeRollout(rng, 2, kill_chance, max_kills, kill_at_sync)
     rollout.versions = [start_version] * rollout.num_workers
@@ -505,42 +507,53 @@ def test_carry_auto_abort_points_are_the_last_pushed_steps_median_and_runs_repla
 STREAMED_MODES = [(0, "finish"), (1, "finish"), (2, "abort"), (1, "carry")]
 
 
+def _chunks(step_groups: list[int], size: int) -> list[tuple[int, ...]]:
+    return [tuple(step_groups[i : i + size]) for i in range(0, len(step_groups), size)]
+
+
 @pytest.mark.parametrize("k, partial", STREAMED_MODES)
-def test_streaming_trains_each_group_as_it_finishes_and_the_step_as_a_whole_step_would(
-    k: int, partial: str
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_streaming_trains_each_chunk_as_it_completes_and_the_step_as_a_whole_step_would(
+    k: int, partial: str, chunk: int
 ) -> None:
-    """Streamed, a step's groups reach the trainer one at a time as they finish, each once and
-    at the version before the step; what is trained and logged is the unstreamed run's. And
-    the trainer does start while the step still generates."""
+    """Streamed, a step's groups reach the trainer in chunks of `chunk` consecutive groups (by
+    id, among those started for the step), each chunk once, as soon as all its groups are
+    scored, at the version before the step; what is trained and logged is the unstreamed
+    run's. And the trainer does start while the step still generates."""
     started_early = 0
     for dynamic, annotate in [(False, True), (True, False), (True, True)]:
         whole = _run(1, k, partial, dynamic, annotate)
         expected = _outcome(whole[0], whole[2], whole[3])
         for seed in (1, 2, 3):
             scheduler, rollout, trainer, logged = _run(
-                seed, k, partial, dynamic, annotate, streaming=True
+                seed, k, partial, dynamic, annotate, streaming=True, stream_groups=chunk
             )
             outcome = _outcome(scheduler, trainer, logged)
             assert outcome["metrics"] == expected["metrics"]
             assert outcome["trained"] == expected["trained"]
             for step, samples in trainer.trained.items():
                 groups = [sample.group_id for sample in samples[::2]]
-                streamed = [group for version, group in trainer.stream_calls if version == step - 1]
-                assert sorted(streamed) == groups
+                calls = [ids for version, ids in trainer.stream_calls if version == step - 1]
+                assert sorted(group for ids in calls for group in ids) == groups
+                if not dynamic:  # every group started for the step is kept: chunks by id
+                    assert sorted(calls) == _chunks(groups, chunk)
             started_early += trainer.streamed_while_generating
     if partial != "carry":  # carry trains a step at a boundary, with nothing generating
-        assert started_early, "no group was streamed while its step's others generated"
+        assert started_early, "no chunk was streamed while its step's others generated"
 
 
 @pytest.mark.parametrize("k, partial", STREAMED_MODES)
 def test_a_streamed_run_resumed_at_any_sync_continues_exactly(k: int, partial: str) -> None:
-    """Groups streamed before a checkpoint are streamed again after the resume (gradients are
-    not checkpointed), at the same version."""
-    scheduler, _, trainer, logged = _run(1, k, partial, dynamic=True, annotate=True, streaming=True)
+    """Chunks streamed before a checkpoint are streamed again after the resume (gradients are
+    not checkpointed), the same groups at the same version."""
+    scheduler, _, trainer, logged = _run(
+        1, k, partial, dynamic=True, annotate=True, streaming=True, stream_groups=2
+    )
     for step in range(1, 5):
         resumed = _run(
             seed=10 + step, k=k, partial=partial, dynamic=True, annotate=True,
             start_version=step, in_flight=scheduler.states[step], streaming=True,
+            stream_groups=2,
         )  # fmt: skip
         resumed_outcome = _outcome(resumed[0], resumed[2], resumed[3])
         original = _outcome(scheduler, trainer, logged, after=step)
