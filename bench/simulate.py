@@ -252,6 +252,11 @@ def calibration_runs(median: int, sync: Result) -> list[Run]:
          Schedule(1, "abort", streaming=True)),
         ("Tandem: split 80:48 k=2 abort streaming", Placement.split(128, 80), overlapped,
          Schedule(2, "abort", streaming=True)),
+        ("Tandem: split 80:48 k=2 abort streaming, chunks of 1 group", Placement.split(128, 80),
+         overlapped, Schedule(2, "abort", streaming=True, stream_groups=1)),
+        ("Tandem: split 80:48 k=2 abort streaming, chunks of 128 groups",
+         Placement.split(128, 80), overlapped,
+         Schedule(2, "abort", streaming=True, stream_groups=128)),
     ]  # fmt: skip
     fitted = verl.trainer_costs(sync)
     return [
