@@ -5,21 +5,12 @@ samples and the backlog of finished groups included in its checkpoint."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rl.checkpoint.store import list_checkpoints
-from tests.helpers.cli import run_rl
-from tests.helpers.repo import REPO
-from tests.helpers.resumed_steps import computed
+from tests.helpers.recipe_runs import kill_after_step, reference_run, run_recipe, write_recipe
 from tests.helpers.tiny_runs import tiny_run_tree
 
 pytestmark = pytest.mark.e2e
@@ -40,35 +31,18 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         run={"num_steps": NUM_STEPS, "eval_every": 2, "export_hf": False},
         scheduler={"max_staleness": 1, "partial_rollout": "carry", "abort_every": 2},
     )
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-def _records(recipe: Path, name: str) -> list[dict]:
-    path = recipe.parent / "runs" / name / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _run(recipe: Path, name: str, *extra: str) -> list[dict]:
-    result = run_rl("train", str(recipe), f"run.name={name}", *extra)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [computed(record) for record in _records(recipe, name)]
+    return write_recipe(root, tree)
 
 
 @pytest.fixture(scope="module")
 def reference(recipe: Path) -> list[dict]:
-    records = _run(recipe, "reference")
-    assert [r["step"] for r in records] == list(range(NUM_STEPS + 1))
-    return records
+    return reference_run(recipe, NUM_STEPS)
 
 
 def test_two_carry_runs_log_the_same_metrics_and_carry_groups_over(
     recipe: Path, reference: list[dict]
 ) -> None:
-    assert _run(recipe, "again") == reference
+    assert run_recipe(recipe, "again") == reference
     steps = reference[1:]
     # Carried over: groups that finished an epoch after they started, tokens a version old.
     assert any(r["carry/carried_groups"] > 0 for r in steps)
@@ -82,21 +56,7 @@ def test_a_carry_run_killed_while_generating_resumes_bit_for_bit(
     recipe: Path, reference: list[dict]
 ) -> None:
     name = "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl.cli", "train", str(recipe), f"run.name={name}"],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the kill reaches the Ray processes it started
-    )
-    deadline = time.monotonic() + 600
-    while not any(r["step"] >= 3 for r in _records(recipe, name)):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "step 3 never came"
-        time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_step(recipe, name, 3)
     checkpoints = recipe.parent / "runs" / name / "checkpoints"
     assert [p.name for p in list_checkpoints(checkpoints)] == ["step_000002"]
-    assert _run(recipe, name, "--resume", "auto") == reference
+    assert run_recipe(recipe, name, "--resume", "auto") == reference
