@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from rl.config import Config
 from rl.config.checks import ConfigError, check_consistency
 from rl.config.safetensors_files import checkpoint_tensors
-from rl.config.tree import groups_in_flight
+from rl.config.tree import groups_in_flight, stream_groups
 
 
 def load_config(recipe: str | Path, overrides: list[str] = ()) -> Config:
@@ -363,7 +363,14 @@ def _describe_overlap(cfg: Config) -> str:
             f"groups in flight to finish; tokens at most {sched.max_token_age} versions old, "
             f"at most {sched.max_stale_share:g} of them over {k}"
         )
+    streaming = ""
+    if sched.streaming:
+        size = stream_groups(sched.stream_groups, cfg.trainer, cfg.algorithm.group_size)
+        streaming = (
+            f"; the trainer streams each step in chunks of {size} groups as they finish, "
+            "gradients summed exactly"
+        )
     return (
         f"scheduler: max_staleness={k} ({'on-policy' if k == 0 else 'overlapped'}), "
-        f"partial_rollout={partial}; off-policy correction: {how}"
+        f"partial_rollout={partial}{streaming}; off-policy correction: {how}"
     )

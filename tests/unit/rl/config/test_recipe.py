@@ -323,6 +323,16 @@ def test_streaming_is_refused_where_a_step_cannot_be_trained_group_by_group(
     load_config(recipe, overrides)  # each is fine without streaming
 
 
+def test_the_run_summary_says_how_big_a_streamed_chunk_is() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    # The demo: 2 trainer ranks x micro-batches of 128 sequences, groups of 8: 32 groups.
+    report = dry_run_report(load_config(recipe, ["scheduler.streaming=true"]), recipe)
+    assert "the trainer streams each step in chunks of 32 groups as they finish" in report
+    chosen = ["scheduler.streaming=true", "scheduler.stream_groups=3"]
+    assert "in chunks of 3 groups" in dry_run_report(load_config(recipe, chosen), recipe)
+    assert "streams" not in dry_run_report(load_config(recipe, []), recipe)
+
+
 def test_streaming_takes_gae_only_without_whitening_over_the_step() -> None:
     recipe = REPO / "recipes/ppo_addition_cpu.yaml"
     streamed = ["scheduler.streaming=true", "scheduler.max_staleness=1"]
