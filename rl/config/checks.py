@@ -242,7 +242,7 @@ def _check_scheduler(cfg: Config, path: Path | str) -> None:
 
 
 def _check_streaming(cfg: Config, path: Path | str) -> None:
-    """scheduler.streaming trains a step group by group, before its last group is in: one
+    """scheduler.streaming trains a step chunk by chunk, before its last group is in: one
     optimizer step per step, advantages per group, and a trainer free to run while the
     engines generate."""
     from rl.algorithms.advantages import couples_groups  # torch: not at import

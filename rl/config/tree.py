@@ -94,7 +94,7 @@ class SchedulerConfig(Section):
     )
     streaming: bool = Field(
         False,
-        description="Train a step chunk by chunk (stream_chunks) as its groups finish "
+        description="Train a step chunk by chunk (stream_groups) as its groups finish "
         "(old/reference log-probs, values, forward and backward), and take the optimizer step "
         "once the last is in: the trainer works while the step's tail generates; gradients "
         "are summed exactly, so the order chunks finish in does not matter (docs/scale.md, "

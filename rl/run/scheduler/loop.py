@@ -136,6 +136,8 @@ class Scheduler:
         # next step (module docstring).
         self._at_sync = True
         self.turns = DeviceTurns(settings.release_memory, rollout, trainer)
+        # Streaming trains while the engines generate (the config checks refuse time-slicing).
+        assert not (settings.streaming and settings.release_memory), "streaming, time-sliced"
         # Rollout workers lost while generating and not replaced yet, and the groups that
         # wait meanwhile (none start: a fresh worker must first get the rollout's weights).
         self._lost: set[int] = set()
@@ -413,14 +415,13 @@ class Scheduler:
             # At version step - 1 (now): these are the proximal policy's log-probs. The whole
             # step in one call, so its batches are the same in every run.
             self.trace.begin("trainer", "logprobs", step)
-            samples = [sample for group in kept for sample in group.samples]
+            samples, _ = _samples_and_scores(kept)
             self.turns.to_trainer()
             self._await(self.trainer.annotate(samples), "annotate", kept)
             return
         if self._sync_pending():
             return
-        samples = [sample for group in kept for sample in group.samples]
-        scores = [score for group in kept for score in group.scores]
+        samples, scores = _samples_and_scores(kept)
         if self.carry is not None:
             self.carry.check_bounds(step, kept)
         self.turns.to_trainer()
@@ -441,8 +442,7 @@ class Scheduler:
         for chunk in self._chunks(step, ready):
             kept = [group for group in chunk if group.kept and not group.streamed]
             if kept:
-                samples = [sample for group in kept for sample in group.samples]
-                scores = [score for group in kept for score in group.scores]
+                samples, scores = _samples_and_scores(kept)
                 self.trace.begin("trainer", "train", step)  # its forward and backward
                 self._await(self.trainer.stream(step, samples, scores), "stream", kept)
                 return
@@ -451,8 +451,7 @@ class Scheduler:
             return
         if self.carry is not None:
             self.carry.check_bounds(step, kept)
-        samples = [sample for group in kept for sample in group.samples]
-        scores = [score for group in kept for score in group.scores]
+        samples, scores = _samples_and_scores(kept)
         self.trace.begin("trainer", "train", step)
         self._await(self.trainer.finish(step, samples, scores), "train", step)
 
@@ -470,8 +469,8 @@ class Scheduler:
 
     def _streamed(self, groups: list[Group], samples: list[Sample]) -> None:
         self.trace.end("trainer", "train")
+        _give_back(groups, samples)
         for group in groups:
-            group.samples, samples = samples[: len(group.samples)], samples[len(group.samples) :]
             group.annotated = group.streamed = True
 
     def _batch_ready(self, step: int) -> bool:
@@ -486,8 +485,8 @@ class Scheduler:
 
     def _annotated(self, groups: list[Group], samples: list[Sample]) -> None:
         self.trace.end("trainer", "logprobs")
+        _give_back(groups, samples)
         for group in groups:
-            group.samples, samples = samples[: len(group.samples)], samples[len(group.samples) :]
             group.annotated = True
 
     def _trained(self, step: int, metrics: dict[str, float]) -> None:
@@ -626,6 +625,19 @@ class Scheduler:
             self._streamed(*payload, result)
         else:
             self._trained(*payload, result)
+
+
+def _samples_and_scores(groups: list[Group]) -> tuple[list[Sample], list[float]]:
+    """What the trainer port takes of `groups`: their samples and scores, group after group."""
+    samples = [sample for group in groups for sample in group.samples]
+    return samples, [score for group in groups for score in group.scores]
+
+
+def _give_back(groups: list[Group], samples: list[Sample]) -> None:
+    """Hand `groups` their samples back from a trainer call that took them all in order
+    (annotated: the call's results replace what the groups held)."""
+    for group in groups:
+        group.samples, samples = samples[: len(group.samples)], samples[len(group.samples) :]
 
 
 def abort_point(lengths: list[int], quantile: float) -> int:
