@@ -33,6 +33,14 @@ Sides (the same prompts and seeds in a round, taking turns; 1 warm-up + --rounds
   rl.agents.trajectory) in one `LLM.generate`; then all their tools run; then turn k + 1.
 - lockstep_cached (instant tool only): the lockstep schedule on the AgentLoop's own engine,
   prefix cache on, to split the gain between prefix reuse and async turns.
+- endpoint: the same episodes driven by an agent function written against the `openai` SDK
+  (bench/scripted_agent.py) through rollout.api_agent_loop.ApiAgentLoop over the AgentLoop's
+  own engine: each turn an HTTP call to the rollout worker's endpoint from the agent's
+  sandbox, the call's code run by the agent itself (in its episode's process, not the tool
+  pool's fork; the last turn's call is not run). Its per-call overhead is measured two ways:
+  on the endpoint, the seconds of a call not spent generating (request parsing, rendering
+  and encoding the new messages, decoding the reply, JSON), and from the agent, each call's
+  seconds minus the endpoint's (HTTP through the sandbox's forwarder, the SDK).
 
 The agent and lockstep sides run with the instant tool and with the sleeping one. The prefix
 cache is reset before every side's round. Prefix-cache hits are vLLM's own count
@@ -61,8 +69,9 @@ from rl.agents.episode import observe, start_group
 from rl.agents.tool_pool import ToolPool, ToolResult
 from rl.agents.trajectory import add_observation, end_turn
 from rl.config import AgentConfig, BaseBuildConfig, RolloutConfig
-from rl.types import Sample, SamplingParams
+from rl.types import Episode, Sample, SamplingParams
 from rollout.agent_loop import AgentLoop
+from rollout.api_agent_loop import ApiAgentLoop
 from rollout.engine_loop import GenerationLoop
 from rollout.engines.vllm_engine import VLLMEngine, _configure_environment, engine_args
 from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
@@ -73,6 +82,8 @@ RESULTS = REPO / ".cache" / "bench" / "agents.json"
 SEED = 0
 SLEEP_VAR = "TANDEM_BENCH_TOOL_SLEEP_S"
 TARGET = 1.5  # AgentLoop over lockstep without prefix reuse, sampled tokens/s
+ENDPOINT_TARGET = 0.9  # the endpoint path over the AgentLoop, episodes/s
+AGENT_FUNCTION = Path(__file__).resolve().with_name("scripted_agent.py")
 # The one call every turn ends with, a single added token of the tokenizer.
 CALL = (
     '<tool_call>{"name": "python", "arguments": {"code": "import os, time; '
@@ -196,21 +207,81 @@ class ScriptedTask(Environment):
         return EnvStep(messages=tool_messages, done=self.num_turns >= self.turns)
 
 
+def round_prompts(args: argparse.Namespace, rnd: int) -> dict[int, str]:
+    """Round `rnd`'s prompts of PROMPT_WORDS words each, by their unique group ids."""
+    prompts = {}
+    for g in range(args.groups):
+        rng = random.Random(rnd * 1000 + g)
+        prompts[rnd * args.groups + g] = " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
+    return prompts
+
+
 def round_samples(
     tokenizer: PreTrainedTokenizerBase, schemas: list[dict], args: argparse.Namespace, rnd: int
 ) -> list[list[Sample]]:
-    """Round `rnd`'s groups: fresh prompts of PROMPT_WORDS words each, unique group ids."""
+    """Round `rnd`'s groups of ScriptedTask episodes."""
+    return [
+        start_group(ScriptedTask, tokenizer, {"prompt": prompt}, schemas, args.group_size, group_id)
+        for group_id, prompt in round_prompts(args, rnd).items()
+    ]
+
+
+def endpoint_samples(args: argparse.Namespace, rnd: int, sleep_s: float) -> list[list[Sample]]:
+    """Round `rnd`'s groups as the agent function's episodes: the same prompts and seeds."""
     groups = []
-    for g in range(args.groups):
-        rng = random.Random(rnd * 1000 + g)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
-        group_id = rnd * args.groups + g
+    for group_id, prompt in round_prompts(args, rnd).items():
+        example = {
+            "prompt": prompt,
+            "turns": args.turns,
+            "sleep_s": sleep_s,
+            "sleep_var": SLEEP_VAR,
+        }
         groups.append(
-            start_group(
-                ScriptedTask, tokenizer, {"prompt": prompt}, schemas, args.group_size, group_id
-            )
+            [
+                Sample(
+                    [], group_id, k, loss_mask=[], episode=Episode(None, [], None, example=example)
+                )
+                for k in range(args.group_size)
+            ]
         )
     return groups
+
+
+class TimedGeneration:
+    """The endpoint's GenerationLoop, its seconds of generating counted, so that a call's
+    seconds on the endpoint split into generating and the rest."""
+
+    def __init__(self, generation: GenerationLoop) -> None:
+        self._generation, self.engine = generation, generation.engine
+        self.seconds = 0.0
+
+    async def generate(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        start = time.perf_counter()
+        try:
+            return await self._generation.generate(samples, params)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def interrupt(self) -> int:
+        return self._generation.interrupt()
+
+
+def timed_endpoint(api: ApiAgentLoop) -> dict[str, float]:
+    """Count the seconds and number of the endpoint's calls (and their generating, through
+    TimedGeneration) into the returned dict."""
+    timing = {"calls": 0, "serve_s": 0.0}
+    serve = api.endpoint._serve
+
+    async def timed(key: str, kind: str, body: object) -> dict:
+        start = time.perf_counter()
+        try:
+            return await serve(key, kind, body)
+        finally:
+            timing["calls"] += 1
+            timing["serve_s"] += time.perf_counter() - start
+
+    api.endpoint._serve = timed
+    return timing
 
 
 # ---- the sides ---------------------------------------------------------------------------------
@@ -362,6 +433,7 @@ def lockstep_round(
 
 LABELS = {
     "agent": "AgentLoop (prefix cache, async turns)",
+    "endpoint": "agent function through the endpoint (ApiAgentLoop)",
     "lockstep": "lockstep, no prefix cache",
     "lockstep_cached": "lockstep, prefix cache",
 }
@@ -455,6 +527,20 @@ def table(results: dict) -> str:
         f"| - async turns alone: AgentLoop / lockstep with prefix cache | {instant} "
         f"| {ratio(f'agent/{instant}', f'lockstep_cached/{instant}'):.2f}x |",
     ]
+    for tool in (instant, slow):
+        rows.append(
+            f"| endpoint / AgentLoop, episodes/s (target >= {ENDPOINT_TARGET:g}x) | {tool} "
+            f"| {sides[f'endpoint/{tool}']['episodes_per_s'] / sides[f'agent/{tool}']['episodes_per_s']:.2f}x |"
+        )
+    rows += [
+        "",
+        "| endpoint overhead per call | tool | on the endpoint (parse, render, encode, decode, JSON) "
+        "| HTTP through the forwarder and the SDK |",
+        "|---|---|---:|---:|",
+    ]
+    for tool in (instant, slow):
+        over = results["endpoint_overhead"][tool]
+        rows.append(f"| ms | {tool} | {over['endpoint_ms']:.1f} | {over['http_sdk_ms']:.1f} |")
     sleep_ms = results["config"]["tool_sleep_ms"]
     fast = sides[f"agent/{instant}"]
     calls = fast["tool_calls"] / fast["episodes"]
@@ -519,6 +605,7 @@ def measure(args: argparse.Namespace, vllm: object) -> dict:
     tools = {"instant": 0.0, f"sleeps {args.tool_sleep_ms} ms": args.tool_sleep_ms / 1000}
     instant, slow = tools
     pools: dict[str, ToolPool] = {}
+    api: ApiAgentLoop | None = None
     loop = asyncio.new_event_loop()
     try:
         for tool, sleep_s in tools.items():
@@ -548,6 +635,39 @@ def measure(args: argparse.Namespace, vllm: object) -> dict:
 
             return run
 
+        api = ApiAgentLoop(
+            generation,
+            tokenizer,
+            AgentConfig(
+                environment=f"openai:{AGENT_FUNCTION}:run", max_turns=args.turns, env_workers=2
+            ),
+            ROLLOUT.max_model_len,
+        )
+        loop.run_until_complete(api.open())
+        timed_generation = api.generation = TimedGeneration(generation)
+        timing = timed_endpoint(api)
+        overhead: dict[str, list[dict]] = {}
+
+        def endpoint_side(tool: str):
+            def run(groups: list[list[Sample]], counts: Counts) -> None:
+                hooks["agent"].counts = counts
+                generating, served = timed_generation.seconds, dict(timing)
+                loop.run_until_complete(agent_round(api, groups, params))
+                calls = timing["calls"] - served["calls"]
+                client_s = sum(sum(json.loads(s.response_text)) for group in groups for s in group)
+                serve_s = timing["serve_s"] - served["serve_s"]
+                overhead.setdefault(tool, []).append(
+                    {
+                        "calls": calls,
+                        "endpoint_ms": 1000
+                        * (serve_s - (timed_generation.seconds - generating))
+                        / calls,
+                        "http_sdk_ms": 1000 * (client_s - serve_s) / calls,
+                    }
+                )
+
+            return run
+
         def lockstep_side(tool: str, cached: bool):
             # With the prefix cache: the AgentLoop's own vllm.LLM, idle meanwhile.
             llm, hook = (engine._llm, hooks["agent"]) if cached else (bare, hooks["bare"])
@@ -562,15 +682,21 @@ def measure(args: argparse.Namespace, vllm: object) -> dict:
             f"agent/{instant}": agent_side(instant),
             f"lockstep/{instant}": lockstep_side(instant, cached=False),
             f"lockstep_cached/{instant}": lockstep_side(instant, cached=True),
+            f"endpoint/{instant}": endpoint_side(instant),
             f"agent/{slow}": agent_side(slow),
             f"lockstep/{slow}": lockstep_side(slow, cached=False),
+            f"endpoint/{slow}": endpoint_side(slow),
         }
+        sleeps = {f"{kind}/{tool}": tools[tool] for kind in ("agent", "endpoint") for tool in tools}
         runs: dict[str, list[dict]] = {name: [] for name in sides}
         same_tokens = True
         for rnd in range(args.rounds + 1):
             reference = None
             for name, run in sides.items():
-                groups = round_samples(tokenizer, pools[instant].schemas, args, rnd)
+                if name.startswith("endpoint/"):
+                    groups = endpoint_samples(args, rnd, sleeps[name])
+                else:
+                    groups = round_samples(tokenizer, pools[instant].schemas, args, rnd)
                 engine._llm.reset_prefix_cache()  # nothing from an earlier side or round
                 counts = Counts()
                 start = time.perf_counter()
@@ -591,6 +717,8 @@ def measure(args: argparse.Namespace, vllm: object) -> dict:
     finally:
         for pool in pools.values():
             pool.close()
+        if api is not None:
+            loop.run_until_complete(api.close())
         loop.close()
     return {
         "config": {
@@ -603,6 +731,14 @@ def measure(args: argparse.Namespace, vllm: object) -> dict:
         "shape": shape(runs[f"agent/{instant}"]),
         "same_tokens": same_tokens,
         "sides": {name: totals(rounds) for name, rounds in runs.items()},
+        "endpoint_overhead": {
+            tool: {
+                key: sum(r[key] * r["calls"] for r in rounds[1:])
+                / sum(r["calls"] for r in rounds[1:])
+                for key in ("endpoint_ms", "http_sdk_ms")
+            }
+            for tool, rounds in overhead.items()  # round 0 is the warm-up
+        },
         "rounds": runs,
     }
 

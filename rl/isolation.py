@@ -4,7 +4,8 @@ Every rl.sandbox worker starts as `python -m rl.isolation SPEC MODULE FD`, a fre
 single-threaded interpreter (the kernel refuses a user namespace to a threaded process, and
 nothing here may run in the driver's threaded process: no `preexec_fn`). The launcher:
 
-1. leaves the host's namespaces: network (no interface but a down loopback), mounts,
+1. leaves the host's namespaces: network (no interface but a loopback, down unless the pool
+   asks for it: an agent function reaches its endpoint through it, rl.agents.agent_worker), mounts,
    processes (a pid namespace: the worker is its pid 1, sees only its own descendants in a
    fresh /proc, and every one of them dies with it) and System V IPC. As root that takes no
    more than `unshare`; as another user it also takes a user namespace mapping only that
@@ -35,6 +36,7 @@ its report says what is missing and why.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -42,7 +44,9 @@ import runpy
 import select
 import shutil
 import signal
+import socket
 import stat
+import struct
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -65,6 +69,7 @@ _AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
 _SYS_MOUNT_SETATTR = 442  # the same number on x86-64 and arm64 (a syscall added in 5.12)
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 1, 4, 38, 24
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -85,7 +90,8 @@ class Isolation:
     sandbox uid), "user namespace" (the driver's own uid, no capabilities) or "" (the driver's
     user, as is). `missing`: why each part that is not there is not."""
 
-    network: bool = False  # own network namespace, no interface up
+    network: bool = False  # own network namespace, no interface up but (`loopback`) its own lo
+    loopback: bool = False  # that namespace's loopback is up
     user: str = ""
     processes: bool = False  # own pid namespace and /proc; its processes die with it
     filesystem: bool = False  # read-only host, private size-capped HOME, /tmp, /dev/shm
@@ -99,7 +105,12 @@ class Isolation:
     def summary(self) -> str:
         """One line for the console and `--dry-run` (memory limits are the pools' to say)."""
         parts = [
-            f"network {'isolated' if self.network else 'NOT isolated'}",
+            "network "
+            + (
+                ("isolated, own loopback only" if self.loopback else "isolated")
+                if self.network
+                else "NOT isolated"
+            ),
             f"user {self.user or 'NOT dropped (the driver user)'}",
             f"processes {'own pid namespace' if self.processes else 'own session only'}",
             "filesystem "
@@ -129,11 +140,13 @@ class Isolation:
 
 @dataclass(frozen=True)
 class Spec:
-    """What the driver hands the launcher (as JSON): the limits, and the files and
-    directories the worker must read (users' code)."""
+    """What the driver hands the launcher (as JSON): the limits, the files and directories the
+    worker must read (users' code, an endpoint's socket), and whether its network namespace's
+    loopback is brought up."""
 
     limits: Limits
     read_paths: tuple[str, ...]
+    loopback: bool = False
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "read_paths": list(self.read_paths)})
@@ -141,7 +154,7 @@ class Spec:
     @classmethod
     def from_json(cls, text: str) -> Spec:
         data = json.loads(text)
-        return cls(Limits(**data["limits"]), tuple(data["read_paths"]))
+        return cls(Limits(**data["limits"]), tuple(data["read_paths"]), data["loopback"])
 
 
 class _Report:
@@ -289,6 +302,15 @@ def _cover(
         os.close(sources[path])
 
 
+def _loopback_up() -> None:
+    """Bring up the new network namespace's `lo` (privileged: CAP_NET_ADMIN over it). It
+    reaches nothing but itself."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
+
+
 def _drop_capabilities() -> None:
     """Empty this process's capability sets, bounding set included (in a user namespace,
     where there is no uid to drop to)."""
@@ -313,6 +335,12 @@ def _confine(
     home = Path(os.environ.get("HOME", "/"))
     env: dict[str, str] = {}
     report.parts["network"] = namespaces  # the namespace came up without an interface
+    if namespaces and spec.loopback:
+        try:
+            _loopback_up()
+            report.parts["loopback"] = True
+        except OSError as e:
+            report.lacks("the loopback interface", e)
     filesystem = False
     if namespaces:
         try:

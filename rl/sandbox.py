@@ -116,15 +116,17 @@ def start_worker(
     memory_mb: int,
     log_file: str | None,
     read_paths: Sequence[str] = (),
+    loopback: bool = False,
 ) -> WorkerProcess:
     """Start `python -m module FD` in a sandbox (rl.isolation) under this process's policy
     (`configure`) and an address-space limit of `memory_mb` MiB (0: none), with environment
-    `env`, the users' files `read_paths` readable, and its stdout and stderr appended to
+    `env`, the users' files `read_paths` readable, its own loopback up if `loopback` (its only
+    network either way), and its stdout and stderr appended to
     `log_file` (None: the driver's stderr), never the driver's stdout. Returns once the
     sandbox is up; SandboxRefused when `sandbox.require` is set and it is not fully isolated."""
     conn, child_conn = Pipe()
     limits = Limits(memory_mb, _policy.tmp_mb, _policy.require)
-    spec = Spec(limits, tuple(read_paths))
+    spec = Spec(limits, tuple(read_paths), loopback)
     if log_file is None:
         output = sys.stderr
     else:
@@ -185,8 +187,16 @@ def isolation_report(cfg: Config) -> str:
     pools = [f"reward functions ({cfg.reward.num_processes} workers, {cfg.reward.memory_mb} MiB)"]
     if cfg.agent.enabled:
         agent = cfg.agent
-        pools.append(f"tool calls ({agent.tool_workers} workers, {agent.tool_memory_mb} MiB)")
-        if parse_file_ref(agent.environment, "agent.environment") is not None:
+        if agent.environment.startswith("openai:"):  # its tools run in its own sandbox
+            pools.append(
+                f"the agent function ({agent.env_workers} workers, {agent.env_memory_mb} MiB, "
+                "reaching only its endpoint)"
+            )
+        else:
+            pools.append(f"tool calls ({agent.tool_workers} workers, {agent.tool_memory_mb} MiB)")
+        if not agent.environment.startswith("openai:") and parse_file_ref(
+            agent.environment, "agent.environment"
+        ):
             pools.append(
                 f"the environment ({agent.env_workers} workers, {agent.env_memory_mb} MiB)"
             )

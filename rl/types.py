@@ -48,12 +48,19 @@ class SamplingParams:
             seed=cfg.run.seed * RUN_SEED_STRIDE,
         )
 
+    def episode_seed(self, sample: Sample) -> int | None:
+        """The seed of `sample` as a whole (None: unseeded): what an agent function is seeded
+        with, each time its episode starts or resumes (rollout.api_agent_loop)."""
+        if self.seed is None:
+            return None
+        return self.seed + sample.group_id * self.n + sample.index
+
     def seed_of(self, sample: Sample) -> int | None:
         """The seed `sample` draws its next token with (None: unseeded), so a seeded batch
         reproduces however prompts are spread over workers, and a resumed one continues."""
-        if self.seed is None:
+        seed = self.episode_seed(sample)
+        if seed is None:
             return None
-        seed = self.seed + sample.group_id * self.n + sample.index
         return seed + RESUME_SEED_STRIDE * len(sample.response_ids)
 
     def stop_length(self, sample: Sample) -> int:
@@ -79,6 +86,12 @@ class Episode:
     with the sample. `messages` and `tools` (function schemas) are the conversation as the chat
     template renders it. `turn_start`: response tokens before the turn being generated (the
     engine appends that turn's tokens after it). Counters feed the step's agent/* metrics.
+
+    An agent function's episode (rl.agents.api_calls: it calls the rollout worker's
+    OpenAI-compatible endpoint) has no `env`; it holds its data `example` and `calls`, one
+    JSON object per call served: the request as normalised and the reply (None while that
+    turn is being generated), so that the agent, run again from its start after a pause or a
+    resume, is answered from them until it reaches the call that was in flight.
     """
 
     env: Any
@@ -101,6 +114,12 @@ class Episode:
     env_failures: int = 0  # steps of a user's environment that failed (rl.agents.env_pool)
     env_timeouts: int = 0  # of those, the ones over agent.env_timeout_s
     template_mismatches: int = 0  # observations the chat template could not append (ends it)
+    example: dict[str, Any] | None = None  # an agent function's data example
+    calls: list[dict[str, Any]] = field(default_factory=list)  # an agent function's calls
+    served: int = 0  # of `calls`, those answered in the agent's current run
+    refused_calls: int = 0  # calls past agent.max_turns or the token budget
+    prefix_breaks: int = 0  # calls whose history is not the episode's so far
+    replay_mismatches: int = 0  # a re-run agent that asked what it had not asked before
 
     @property
     def answer(self) -> str:

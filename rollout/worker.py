@@ -18,6 +18,7 @@ from rl.sandbox import configure as configure_sandbox
 from rl.sync.transport import ChannelSpec
 from rl.types import Sample, SamplingParams
 from rollout.agent_loop import AgentLoop
+from rollout.api_agent_loop import ApiAgentLoop
 from rollout.engine_loop import GenerationLoop
 from rollout.engines.contract import RolloutEngine
 from rollout.engines.registry import build_engine
@@ -44,7 +45,7 @@ class RolloutWorker:
         self._args = (model_path, cfg, dtype, seed, lora)
         self._agent = agent if agent is not None and agent.enabled else None
         self._log_file = log_file
-        self._loop: GenerationLoop | AgentLoop | None = None
+        self._loop: GenerationLoop | AgentLoop | ApiAgentLoop | None = None
 
     async def log_to(self, log_file: str) -> None:
         """Send this process's output to `log_file` (rl.observe.actor_logs); call before `ready`."""
@@ -55,16 +56,24 @@ class RolloutWorker:
         starting thread's CPU threads) and returns the seconds its startup took."""
         if self._loop is None:
             generation = GenerationLoop(build_engine(*self._args))
-            self._loop = generation if self._agent is None else self._agent_loop(generation)
+            self._loop = generation if self._agent is None else await self._agent_loop(generation)
         return self._engine.startup_seconds
 
-    def _agent_loop(self, generation: GenerationLoop) -> AgentLoop:
+    async def _agent_loop(self, generation: GenerationLoop) -> AgentLoop | ApiAgentLoop:
         from transformers import AutoTokenizer
 
+        from rl.agents.agent_pool import agent_function
         from rl.agents.tool_pool import ToolPool
 
-        tools = ToolPool.for_agent(self._agent, self._log_file)
+        assert self._agent is not None
         tokenizer = AutoTokenizer.from_pretrained(self._args[0])
+        if agent_function(self._agent.environment) is not None:
+            loop = ApiAgentLoop(
+                generation, tokenizer, self._agent, self._args[1].max_model_len, self._log_file
+            )
+            await loop.open()
+            return loop
+        tools = ToolPool.for_agent(self._agent, self._log_file)
         return AgentLoop(generation, tokenizer, self._agent, tools)
 
     @property
@@ -110,6 +119,8 @@ class RolloutWorker:
 
             self._loop.tools.close()
             close_env_pools()
+        if isinstance(self._loop, ApiAgentLoop):
+            await self._loop.close()
         self._engine.close()
 
     async def release_memory(self) -> bool:

@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rl.agents.agent_pool import agent_function
 from rl.config.registry import NoTraits, Registry
 from rl.user_code import check_file_object, parse_file_ref
 
@@ -96,9 +97,14 @@ class Calculator(ToolUse):
 
 
 def check_environment(name: str) -> None:
-    """Without running a user's code: `name` is a registered environment, or a
-    `path/to/file.py:ClassName` whose file parses and defines it. ValueError naming it."""
+    """Without running a user's code: `name` is a registered environment, a
+    `path/to/file.py:ClassName` or an agent function's `openai:path/to/file.py:function` whose
+    file parses and defines it. ValueError naming it."""
     what = f"agent.environment {name!r}"
+    function = agent_function(name)
+    if function is not None:
+        check_file_object(what, *function)
+        return
     user = parse_file_ref(name, what)
     if user is not None:
         check_file_object(what, *user)

@@ -170,6 +170,11 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/template_mismatches": float(sum(e.template_mismatches for e in episodes)),
         "agent/env_timeouts": float(sum(e.env_timeouts for e in episodes)),
     }
+    functions = [e for e in episodes if e.env is None]
+    if functions:  # an agent function's episodes (rl.agents.api_calls)
+        metrics["agent/refused_calls"] = float(sum(e.refused_calls for e in functions))
+        metrics["agent/prefix_breaks"] = float(sum(e.prefix_breaks for e in functions))
+        metrics["agent/replay_mismatches"] = float(sum(e.replay_mismatches for e in functions))
     reporting = [s for s in samples if s.episode is not None and s.cached_prompt_tokens is not None]
     if reporting:  # vLLM: how much of each turn's history its prefix cache served
         metrics["agent/prefix_cache_hit_rate"] = sum(

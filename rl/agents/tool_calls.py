@@ -44,6 +44,7 @@ class ToolCallFormat:
     """The traits of a tool-call format."""
 
     example: str  # how one call is written, shown to the model after a malformed one
+    block: re.Pattern  # one call's whole text, closing tag included (removed from a reply)
 
 
 Parser = Callable[[str], list[ToolCall | ToolCallError]]
@@ -64,6 +65,7 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 @TOOL_CALL_FORMATS.register(
     "hermes",
     example='<tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>, ...}}\n</tool_call>',
+    block=_HERMES_BLOCK,
 )
 def parse_hermes(text: str) -> list[ToolCall | ToolCallError]:
     """Hermes / Qwen2.5 calls: each a `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`

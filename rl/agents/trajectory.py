@@ -138,7 +138,8 @@ def _markup_ids(
     return ids + _encode(tokenizer, text[at:], plain=True)
 
 
-def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """`ids`' text, special tokens' text included, nothing cleaned up."""
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
@@ -173,7 +174,7 @@ def observation_ids(
     for this history, or `messages` do not say what the held tokens say) raises
     TemplateMismatch.
     """
-    held_text = _decode(tokenizer, held_ids)
+    held_text = decode(tokenizer, held_ids)
     full_text = render(tokenizer, messages + new_messages, tools, add_generation_prompt=True)
     if not full_text.startswith(held_text):
         raise TemplateMismatch(_not_append_only(tokenizer, held_ids, held_text, full_text))
@@ -188,7 +189,7 @@ def _not_append_only(
     # The held token that the differing character decodes from: the first prefix of the held
     # tokens whose text reaches past `pos` (decoded lengths grow with the prefix).
     token = bisect.bisect_right(
-        range(len(held_ids)), pos, key=lambda k: len(_decode(tokenizer, held_ids[: k + 1]))
+        range(len(held_ids)), pos, key=lambda k: len(decode(tokenizer, held_ids[: k + 1]))
     )
     near = held_ids[max(0, token - _CONTEXT_TOKENS) : token + _CONTEXT_TOKENS]
     lo, hi = max(0, pos - _CONTEXT_CHARS), pos + _CONTEXT_CHARS
@@ -239,7 +240,7 @@ def end_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> str:
         "the engine appended a turn without one log-prob and one version per token"
     )
     ends_turn = sampled[-1] in tokenizer.all_special_ids
-    text = _decode(tokenizer, sampled[:-1] if ends_turn else sampled)
+    text = decode(tokenizer, sampled[:-1] if ends_turn else sampled)
     episode.messages.append({"role": "assistant", "content": text})
     sample.loss_mask += [1] * len(sampled)
     episode.turn_start = len(sample.response_ids)
@@ -272,9 +273,17 @@ def add_observation(
     ):
         return None
     episode.messages += new_messages
+    insert_tokens(sample, ids)
+    return ids
+
+
+def insert_tokens(sample: Sample, ids: list[int]) -> None:
+    """Append `ids` to an episode's sequence as tokens the policy did not sample: outside the
+    loss mask, log-prob 0.0, version NOT_SAMPLED; the next turn starts after them."""
+    episode = sample.episode
+    assert episode is not None and sample.loss_mask is not None, "not an episode's sample"
     sample.response_ids += ids
     sample.loss_mask += [0] * len(ids)
     sample.logprobs += [0.0] * len(ids)
     sample.token_versions += [NOT_SAMPLED] * len(ids)
     episode.turn_start = len(sample.response_ids)
-    return ids

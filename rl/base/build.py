@@ -232,7 +232,10 @@ def _agent_base(
     """Tokenizer, model, SFT row and held-out accuracy functions of an agent recipe's base:
     SFT on the environment's demonstrations, accuracy of greedy episodes with real tools (in a
     sandboxed pool that `stack` closes)."""
-    agent = cfg.agent
+    # An agent function has no demonstrations: the base learns from base.environment's.
+    agent = cfg.agent.model_copy(
+        update={"environment": cfg.base.environment or cfg.agent.environment}
+    )
     # Started first: an environment or a tool that cannot be served fails before any training.
     stack.callback(close_env_pools)
     env_class = get_environment(agent)

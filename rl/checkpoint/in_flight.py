@@ -31,7 +31,9 @@ class _Record(BaseModel):
 
 
 class _EpisodeRecord(_Record):
-    env: dict[str, Any]  # the environment object's attributes; bytes as {"bytes": base64}
+    # The environment object's attributes, bytes as {"bytes": base64}; None for an agent
+    # function's episode, which holds its example and calls instead.
+    env: dict[str, Any] | None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     turn_start: int
@@ -47,6 +49,12 @@ class _EpisodeRecord(_Record):
     env_failures: int
     env_timeouts: int
     template_mismatches: int
+    example: dict[str, Any] | None
+    calls: list[dict[str, Any]]
+    served: int
+    refused_calls: int
+    prefix_breaks: int
+    replay_mismatches: int
 
 
 class _SampleRecord(_Record):
@@ -158,6 +166,9 @@ def _episode_to_json(episode: Episode) -> dict:
         if f.name not in ("env", "tool_spans")  # spans: the driver's trace has taken them
     }
     record["errors"] = dict(episode.errors)
+    if episode.env is None:
+        record["env"] = None
+        return record
     env = {}
     for name, value in vars(episode.env).items():
         if isinstance(value, bytes):
@@ -179,7 +190,10 @@ def _sample_from_record(
 ) -> Sample:
     fields = record.model_dump(exclude={"episode"})
     episode = None
-    if record.episode is not None:
+    if record.episode is not None and record.episode.env is None:
+        episode_fields = record.episode.model_dump(exclude={"env", "errors"})
+        episode = Episode(env=None, errors=Counter(record.episode.errors), **episode_fields)
+    elif record.episode is not None:
         if env_class is None:
             raise ValueError(f"{where} holds an agent episode, but this run has no environment")
         episode_fields = record.episode.model_dump(exclude={"env", "errors"})

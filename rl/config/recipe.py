@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -98,6 +98,14 @@ def _set_dotted(tree: dict, key: str, value: Any, path: Path) -> None:
         is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         if depth == len(parts) - 1:
             node[part] = value
+        elif get_origin(annotation) is dict:
+            # A free-form mapping (data.task_config): the rest of the key is its keys.
+            for inner in parts[depth:-1]:
+                if not isinstance(node.get(inner), dict):
+                    node[inner] = {}
+                node = node[inner]
+            node[parts[-1]] = value
+            return
         elif not is_section:
             raise ConfigError(
                 f"override {key!r}: {'.'.join(parts[: depth + 1])} is a value, not a section; recipe {path}"
@@ -316,6 +324,15 @@ def _describe_agent(cfg: Config) -> str:
         return "agent: off (single-turn prompt -> response)"
     from rl.agents.environment import ENVIRONMENTS
 
+    if agent.environment.startswith("openai:"):
+        return (
+            f"agent: the function {agent.environment.removeprefix('openai:')}, calling the rollout "
+            f"workers' OpenAI-compatible endpoint from {agent.env_workers} sandboxed workers per "
+            f"rollout worker ({agent.env_memory_mb} MiB, {agent.env_timeout_s:g} s of its own "
+            f"time per episode; {agent.tool_call_format} calls become tool_calls); at most "
+            f"{agent.max_turns} turns and {cfg.rollout.max_new_tokens} tokens after the prompt "
+            "per episode"
+        )
     if agent.environment in ENVIRONMENTS:
         tools = ", ".join([*ENVIRONMENTS.get(agent.environment).tools, *agent.tools]) or "none"
         environment = agent.environment

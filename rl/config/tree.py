@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -329,11 +329,25 @@ class BaseBuildConfig(Section):
         description="Stop SFT once greedy accuracy on train examples held out from SFT reaches "
         "this (0 = run all sft_steps); leaves RL headroom.",
     )
+    environment: str = Field(
+        "",
+        description="Agent recipes: the registered environment whose demonstrations the base "
+        "is fine-tuned on and whose greedy episodes measure it (empty = agent.environment). An "
+        "agent function (openai:...) has none: name one that speaks its protocol and tools.",
+    )
 
 
 class DataConfig(Section):
     task: str = Field(
-        "addition", description="Task name from rl.data.tasks (addition, countdown, math, repeat)."
+        "addition",
+        description="Task name from rl.data.tasks (addition, countdown, math, repeat), or "
+        "reasoning_gym:<dataset> for a reasoning-gym dataset (pip install -e .[reasoning-gym]).",
+    )
+    task_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="reasoning_gym:<dataset> tasks: the dataset's own config keys, as "
+        "reasoning_gym.create_dataset takes them (chain_sum: {max_terms: 2, max_digits: 2}); "
+        "sizes and seed come from data.num_train, data.num_test and data.seed.",
     )
     dir: str = Field(
         ".cache/data", description="Where generated train/test jsonl splits are written and read."
@@ -425,9 +439,11 @@ class AgentConfig(Section):
     environment: str = Field(
         "",
         description="Agent environment from rl.agents.environment.ENVIRONMENTS (tool_use, "
-        "calculator) or a user's path/to/file.py:ClassName, run only in sandboxed environment "
-        "workers; empty = single-turn prompt -> response. rollout.max_new_tokens then caps "
-        "every token after the prompt: turns, tool results and template text.",
+        "calculator), a user's path/to/file.py:ClassName, run only in sandboxed environment "
+        "workers, or openai:path/to/file.py:function, an agent function calling the rollout "
+        "worker's OpenAI-compatible endpoint from a sandbox; empty = single-turn prompt -> "
+        "response. rollout.max_new_tokens then caps every token after the prompt: turns, tool "
+        "results and template text.",
     )
     tools: list[str] = Field(
         default_factory=list,
@@ -451,7 +467,9 @@ class AgentConfig(Section):
         2, description="Sandboxed workers per process running a user's environment's methods."
     )
     env_timeout_s: float = Field(
-        30.0, description="Wall-clock limit of one reset or step of a user's environment."
+        30.0,
+        description="Wall-clock limit of one reset or step of a user's environment; of an agent "
+        "function's own time in an episode (its calls' generation not counted).",
     )
     env_memory_mb: int = Field(
         2048, description="Address-space limit of a user's environment worker, MiB (0 = none)."

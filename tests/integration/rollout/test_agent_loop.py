@@ -5,7 +5,7 @@ ToolPool with the built-in `python` tool, and a tiny Qwen2 with Qwen2.5's chat t
 An untrained model writes no tool calls, so the episodes here run a scripted environment
 (three_turns.py, a user's file run in its sandbox) that answers every turn (a tool result,
 then a user's reply) until the third. The model's
-end-of-turn token is made likely (`_make_turns_short`) so that its turns end by themselves
+end-of-turn token is made likely (tests.helpers.agent_engines.make_turns_short) so that its turns end by themselves
 after a few tokens rather than at the token limit. Where a test needs a tool called, the
 episode starts as a turn aborted mid-way that had written the call (rollout.agent_loop
 resumes it like any partial sample).
@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import json
-import os
 import pickle
-import sys
 import time
 import uuid
 from collections import defaultdict
@@ -28,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from rl.agents.env_pool import close_env_pools
@@ -37,28 +33,25 @@ from rl.agents.episode import start_group
 from rl.agents.resolve import get_environment
 from rl.agents.tool_pool import WORKER_GRACE_S, ToolPool
 from rl.agents.trajectory import observation_ids
-from rl.config import AgentConfig, BaseBuildConfig, RolloutConfig
+from rl.config import AgentConfig
 from rl.types import NOT_SAMPLED, Sample, SamplingParams
 from rollout.agent_loop import AgentLoop
 from rollout.engine_loop import GenerationLoop
 from rollout.engines.contract import RolloutEngine
-from rollout.engines.registry import build_engine
-from tests.helpers.chat_templates import qwen_tokenizer
+from tests.helpers.agent_engines import (
+    MAX_NEW_TOKENS,
+    PARITY_TOL,
+    TEMPERATURE,
+    Engines,
+    build_checkpoint,
+    parity_gap,
+)
 from tests.helpers.processes import child_pids, marked_pids
 from tests.helpers.waiting import HANG_GUARD_S, wait_until
 from tests.integration.rollout.three_turns import NUM_TURNS
-from trainer.hf_model import new_qwen2, save_hf_atomic
 
 pytestmark = pytest.mark.integration
 
-TEMPERATURE = 0.7
-# Prompts (Qwen2.5's system prompt lists the tools) are ~590 tokens with python, ~820 with two.
-# The tokenizer is small: ~1 token per character of text outside its corpus.
-MAX_NEW_TOKENS = 256
-# vLLM engines share this process: a small KV cache each (GPU: a small share of memory).
-ROLLOUT = RolloutConfig(
-    kv_cache_gb=0.0625, gpu_memory_utilization=0.1, max_model_len=1280, temperature=TEMPERATURE
-)
 # A user's environment, run as users' are: in sandboxed workers, its state pickled with the
 # sample (rl.agents.env_pool).
 AGENT = AgentConfig(
@@ -67,89 +60,18 @@ AGENT = AgentConfig(
     tool_workers=2,
 )
 EXAMPLE = {"prompt": "What is 2+2? Use python."}
-PARITY_TOL = 1e-4  # fp32 engine log-probs against a plain HF forward (tests/integration/rollout)
-
-
-# -- a tiny model whose turns end ------------------------------------------------------------
-
-
-def _make_turns_short(model: torch.nn.Module, eos: int, boost: float = 0.4) -> None:
-    """Make the end-of-turn token likely (~10% a token at temperature 0.7) whatever the
-    context: one hidden dimension is the same large value in every token's embedding, so it
-    dominates the final norm's output, and only EOS's output row gains from it. (Tied, every
-    output row holds the constant, EOS's raised above it: the same gain.)"""
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 0.5
-        head = model.lm_head.weight
-        head[eos, 0] = head[:, 0].mean() + boost
-
-
-def _build_checkpoint(path: Path, tied: bool) -> Path:
-    """A 2-layer Qwen2 (head_dim 32, for vLLM's CPU attention) with Qwen2.5's template."""
-    tokenizer = qwen_tokenizer()
-    cfg = BaseBuildConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        tie_word_embeddings=tied,
-    )
-    model = new_qwen2(cfg, tokenizer, seed=0)
-    _make_turns_short(model, tokenizer.eos_token_id)
-    return save_hf_atomic(model, tokenizer, path)
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("agent-models")
-    return {kind: _build_checkpoint(root / kind, kind == "tied") for kind in ("untied", "tied")}
+    return {kind: build_checkpoint(root / kind, kind == "tied") for kind in ("untied", "tied")}
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dirs: dict[str, Path]) -> PreTrainedTokenizerBase:
     """The checkpoints' tokenizer (both have the same), as the engines load it."""
     return AutoTokenizer.from_pretrained(model_dirs["untied"])
-
-
-class Engines:
-    """Engines built in this process: one shared per (engine, model) and fresh ones (another
-    worker). vLLM in this process sets environment variables, torch's thread count and a
-    torch.distributed group; `close` puts them back."""
-
-    def __init__(self, model_dirs: dict[str, Path]) -> None:
-        self.model_dirs = model_dirs
-        self._shared: dict[tuple[str, str], RolloutEngine] = {}
-        self._all: list[RolloutEngine] = []
-        self._environ = dict(os.environ)
-        self._threads = torch.get_num_threads()
-
-    def shared(self, name: str, kind: str) -> RolloutEngine:
-        if (name, kind) not in self._shared:
-            self._shared[name, kind] = self.fresh(name, kind)
-        return self._shared[name, kind]
-
-    def fresh(self, name: str, kind: str) -> RolloutEngine:
-        cfg = ROLLOUT.model_copy(update={"engine": name})
-        engine = build_engine(str(self.model_dirs[kind]), cfg, "float32", 0)
-        self._all.append(engine)
-        return engine
-
-    def close(self) -> None:
-        self._shared.clear()
-        self._all.clear()
-        gc.collect()
-        if "vllm" in sys.modules:
-            from vllm.distributed.parallel_state import (
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
-        os.environ.clear()
-        os.environ.update(self._environ)
-        torch.set_num_threads(self._threads)
 
 
 @pytest.fixture(scope="module")
@@ -336,22 +258,6 @@ def check_trajectory(tokenizer, sample: Sample, pieces: list[Piece]) -> list[lis
     assert sample.token_versions == versions
     assert episode.turn_start == len(sample.loss_mask)
     return turns
-
-
-def _hf_logprobs(model, sample: Sample) -> torch.Tensor:
-    """log softmax(logits / T) of each response token given everything before it."""
-    seq = sample.prompt_ids + sample.response_ids
-    with torch.no_grad():
-        logits = model(torch.tensor([seq])).logits[0, len(sample.prompt_ids) - 1 : -1].float()
-    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
-    return logp.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-
-
-def parity_gap(model, sample: Sample) -> float:
-    """Largest |engine - HF| log-prob over the sampled tokens."""
-    sampled = torch.tensor(sample.loss_mask[: len(sample.response_ids)]) == 1
-    gap = torch.tensor(sample.logprobs) - _hf_logprobs(model, sample)
-    return gap[sampled].abs().max().item()
 
 
 def _complete(sample: Sample, errors: dict[str, int] | None = None) -> None:

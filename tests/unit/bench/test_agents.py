@@ -87,8 +87,14 @@ def test_the_tables_give_the_ratios_and_what_the_tool_latency_costs() -> None:
             "agent/instant": side(10.0, 2000, 1.0, 15),
             "lockstep/instant": side(20.0, 2000, 2.0, 20),
             "lockstep_cached/instant": side(12.5, 2000, 1.5, 15),
+            "endpoint/instant": side(12.5, 2000, 1.0, 0),
             "agent/sleeps 50 ms": side(10.5, 2000, 1.2, 70),
             "lockstep/sleeps 50 ms": side(21.0, 2000, 3.0, 65),
+            "endpoint/sleeps 50 ms": side(10.5, 2000, 1.2, 0),
+        },
+        "endpoint_overhead": {
+            "instant": {"endpoint_ms": 2.25, "http_sdk_ms": 4.0},
+            "sleeps 50 ms": {"endpoint_ms": 2.5, "http_sdk_ms": 4.5},
         },
     }
     text = agents.table(results)
@@ -100,6 +106,9 @@ def test_the_tables_give_the_ratios_and_what_the_tool_latency_costs() -> None:
         "| AgentLoop / lockstep without prefix cache (target >= 1.5x) | instant | 2.00x |" in text
     )
     assert "| - prefix caching alone: lockstep with / without | instant | 1.60x |" in text
+    assert "| endpoint / AgentLoop, episodes/s (target >= 0.9x) | instant | 0.80x |" in text
+    assert "| endpoint / AgentLoop, episodes/s (target >= 0.9x) | sleeps 50 ms | 1.00x |" in text
+    assert "| ms | instant | 2.2 | 4.0 |" in text
     assert (
         "| - async turns alone: AgentLoop / lockstep with prefix cache | instant | 1.25x |" in text
     )

@@ -329,6 +329,27 @@ def test_a_users_environment_is_read_not_imported_by_the_dry_run(tmp_path: Path)
     assert not marker.exists()
 
 
+def test_an_agent_function_is_read_not_imported_by_the_dry_run(tmp_path: Path) -> None:
+    marker = tmp_path / "imported"
+    agent_file = tmp_path / "my_agent.py"
+    agent_file.write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "def run(example, base_url, api_key, model):\n"
+        "    return None\n"
+    )
+    recipe = "recipes/agent_openai_cpu.yaml"
+    ok, missing = run_cli_many(
+        ["train", recipe, "--dry-run", f"agent.environment=openai:{agent_file}:run"],
+        ["train", recipe, "--dry-run", f"agent.environment=openai:{agent_file}:nope"],
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert f"agent: the function {agent_file}:run, calling the rollout workers'" in ok.stdout
+    assert "the agent function (2 workers, 2048 MiB, reaching only its endpoint)" in ok.stdout
+    assert not marker.exists()
+    assert missing.returncode == 2
+    assert f"agent.environment 'openai:{agent_file}:nope'" in missing.stderr
+
+
 # As Docker's default profile leaves a root container: no CAP_SYS_ADMIN, so no namespaces.
 _WITHOUT_CAP_SYS_ADMIN = (
     "import ctypes, os, sys\n"

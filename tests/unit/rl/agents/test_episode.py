@@ -317,3 +317,18 @@ def test_episode_metrics_of_two_episodes_by_hand():
     for sample in samples:  # the torch engine reports no prefix cache
         sample.cached_prompt_tokens = None
     assert "agent/prefix_cache_hit_rate" not in episode_metrics(samples)
+
+
+def test_an_agent_functions_episodes_report_their_refused_calls_breaks_and_mismatches() -> None:
+    episodes = [Episode(None, [], None, example={}) for _ in range(2)]
+    episodes[0].refused_calls, episodes[0].prefix_breaks = 3, 1
+    episodes[1].replay_mismatches = 1
+    samples = []
+    for episode in episodes:
+        sample = Sample([1], 0, 0, response_ids=[2, 3], logprobs=[0.0, 0.0], token_versions=[0, 0])
+        sample.loss_mask, sample.episode = [1, 1], episode
+        samples.append(sample)
+    metrics = episode_metrics(samples)
+    assert metrics["agent/refused_calls"] == 3.0
+    assert metrics["agent/prefix_breaks"] == 1.0
+    assert metrics["agent/replay_mismatches"] == 1.0

@@ -59,6 +59,37 @@ def test_a_partial_episode_comes_back_with_its_environment_state() -> None:
     assert restored.episode.turn_start == 4 and restored.episode.messages == episode.messages
 
 
+def test_an_agent_functions_partial_episode_comes_back_with_its_example_and_calls() -> None:
+    """No environment here: the episode holds its example and the calls its agent made, which
+    a resumed run's agent is answered from (rl.agents.api_calls)."""
+    reply = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0_0"}]}
+    calls = [
+        {
+            "request": {
+                "messages": [{"role": "user", "content": "1+2"}],
+                "tools": None,
+                "max_tokens": None,
+            },
+            "reply": reply,
+            "finish_reason": "tool_calls",
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+        },
+        {
+            "request": {"messages": [], "tools": None, "max_tokens": 4},
+            "reply": None,
+            "finish_reason": None,
+        },
+    ]
+    episode = Episode(None, [], None, turn_start=4, num_turns=1, example={"prompt": "1+2"})
+    episode.calls, episode.served, episode.refused_calls = calls, 1, 2
+    sample = Sample([1], 3, 1, [5, 6, 7, 8, 9], [-1.0] * 5, [0] * 5, "abort")
+    sample.loss_mask, sample.episode = [1, 1, 0, 0], episode
+    (group,) = _through_json(_state(sample, kept=None)).groups  # no env_class: none needed
+    restored = group.samples[0].episode
+    assert restored.env is None and restored.example == {"prompt": "1+2"}
+    assert restored.calls == calls and restored.refused_calls == 2 and restored.served == 1
+
+
 @pytest.mark.parametrize(
     "tamper",
     [
