@@ -186,17 +186,18 @@ def isolation_report(cfg: Config) -> str:
     SandboxRefused as `probe` does."""
     pools = [f"reward functions ({cfg.reward.num_processes} workers, {cfg.reward.memory_mb} MiB)"]
     if cfg.agent.enabled:
+        from rl.agents.agent_pool import agent_function
+
         agent = cfg.agent
-        if agent.environment.startswith("openai:"):  # its tools run in its own sandbox
+        function = agent_function(agent.environment) is not None
+        if function:  # its tools run in its own sandbox
             pools.append(
                 f"the agent function ({agent.env_workers} workers, {agent.env_memory_mb} MiB, "
                 "reaching only its endpoint)"
             )
         else:
             pools.append(f"tool calls ({agent.tool_workers} workers, {agent.tool_memory_mb} MiB)")
-        if not agent.environment.startswith("openai:") and parse_file_ref(
-            agent.environment, "agent.environment"
-        ):
+        if not function and parse_file_ref(agent.environment, "agent.environment"):
             pools.append(
                 f"the environment ({agent.env_workers} workers, {agent.env_memory_mb} MiB)"
             )

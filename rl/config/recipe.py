@@ -322,11 +322,12 @@ def _describe_agent(cfg: Config) -> str:
     agent = cfg.agent
     if not agent.enabled:
         return "agent: off (single-turn prompt -> response)"
+    from rl.agents.agent_pool import agent_function
     from rl.agents.environment import ENVIRONMENTS
 
-    if agent.environment.startswith("openai:"):
+    if agent_function(agent.environment) is not None:
         return (
-            f"agent: the function {agent.environment.removeprefix('openai:')}, calling the rollout "
+            f"agent: the function {agent.environment}, calling the rollout "
             f"workers' OpenAI-compatible endpoint from {agent.env_workers} sandboxed workers per "
             f"rollout worker ({agent.env_memory_mb} MiB, {agent.env_timeout_s:g} s of its own "
             f"time per episode; {agent.tool_call_format} calls become tool_calls); at most "

@@ -343,7 +343,7 @@ def test_an_agent_function_is_read_not_imported_by_the_dry_run(tmp_path: Path) -
         ["train", recipe, "--dry-run", f"agent.environment=openai:{agent_file}:nope"],
     )
     assert ok.returncode == 0, ok.stderr
-    assert f"agent: the function {agent_file}:run, calling the rollout workers'" in ok.stdout
+    assert f"agent: the function openai:{agent_file}:run, calling the rollout workers'" in ok.stdout
     assert "the agent function (2 workers, 2048 MiB, reaching only its endpoint)" in ok.stdout
     assert not marker.exists()
     assert missing.returncode == 2
