@@ -91,7 +91,8 @@ class Episode:
     OpenAI-compatible endpoint) has no `env`; it holds its data `example` and `calls`, one
     JSON object per call served: the request as normalised and the reply (None while that
     turn is being generated), so that the agent, run again from its start after a pause or a
-    resume, is answered from them until it reaches the call that was in flight.
+    resume, is answered from them until it reaches the call that was in flight. A call whose
+    history is not the episode's starts a new sequence; the earlier ones are its `segments`.
     """
 
     env: Any
@@ -117,6 +118,9 @@ class Episode:
     example: dict[str, Any] | None = None  # an agent function's data example
     calls: list[dict[str, Any]] = field(default_factory=list)  # an agent function's calls
     served: int = 0  # of `calls`, those answered in the agent's current run
+    # An agent function's sequences closed by prefix breaks, each a sample of its own tokens
+    # (no episode) trained with the episode's advantage; the sample holds the last one.
+    segments: list[Sample] = field(default_factory=list)
     refused_calls: int = 0  # calls past agent.max_turns or the token budget
     prefix_breaks: int = 0  # calls whose history is not the episode's so far
     replay_mismatches: int = 0  # a re-run agent that asked what it had not asked before

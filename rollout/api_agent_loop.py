@@ -144,7 +144,12 @@ class ApiAgentLoop:
         episode = sample.episode
         assert episode is not None and self.agents is not None
         episode.served = 0
-        limits = Limits(self.cfg.max_turns, params.max_new_tokens, self._max_model_len)
+        limits = Limits(
+            self.cfg.max_turns,
+            params.max_new_tokens,
+            self._max_model_len,
+            segments=self.cfg.prefix_break == "segment",
+        )
         key = secrets.token_urlsafe(24)
         live = self._live[key] = _Live(sample, params, limits)
         seed = params.episode_seed(sample)

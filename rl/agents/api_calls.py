@@ -10,11 +10,12 @@ check that the template is append-only, outside the loss mask). The reply's toke
 policy's sampled tokens, verbatim; its text is decoded from them, never encoded again.
 
 A call whose history is not the episode's (a framework that trims, re-templates or reorders
-the conversation) is a prefix break: counted in `agent/prefix_breaks`, and refused with
-finish_reason "length", which ends what the episode trains on there (docs/agents.md: training
-each segment as a sample of its own is not built yet). So is a call after `agent.max_turns`
-turns, or one whose history leaves no room in `rollout.max_new_tokens`: a finish reason, not
-an error. Each call is recorded in the episode (`Episode.calls`), so an agent run again from
+the conversation) is a prefix break, counted in `agent/prefix_breaks`: the sequence so far
+becomes one of the episode's segments (`Episode.segments`, each trained as a sample of its own
+with the episode's advantage, rl.run.experience) and the call's history, rendered afresh, the
+prompt of a new one; with `agent.prefix_break: end` the call is refused instead. A call after
+`agent.max_turns` turns, or one whose history leaves no room in `rollout.max_new_tokens`, gets
+finish_reason "length": a finish reason, not an error. Each call is recorded in the episode (`Episode.calls`), so an agent run again from
 its start (after a pause or a resume) is answered from the record until it reaches the call
 that was in flight; a re-run agent that asks something else is a `ReplayMismatch`.
 """
@@ -56,12 +57,13 @@ class ReplayMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    """An episode's bounds: assistant turns, tokens after the prompt, and prompt plus those
-    (what the engine takes)."""
+    """An episode's bounds: assistant turns, tokens after a sequence's prompt, and prompt plus
+    those (what the engine takes); and whether a prefix break starts a new segment."""
 
     max_turns: int
     max_new_tokens: int
     max_model_len: int
+    segments: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,9 @@ def begin_call(
     if not episode.calls:
         _first(tokenizer, sample, request, limits)
     elif not _extend(tokenizer, sample, request, limits):
-        return _refused(episode, request)
+        if sample.finish_reason == "length" or not limits.segments:
+            return _refused(episode, request)
+        _new_segment(tokenizer, sample, request, limits)
     episode.calls.append({"request": record, "reply": None, "finish_reason": None})
     return _generate(sample, request, limits)
 
@@ -149,6 +153,31 @@ def _first(
             "(rollout.max_model_len - rollout.max_new_tokens)"
         )
     sample.prompt_ids = prompt
+
+
+def _new_segment(
+    tokenizer: PreTrainedTokenizerBase, sample: Sample, request: Request, limits: Limits
+) -> None:
+    """After a prefix break: the sequence so far becomes a segment (a sample of its own), and
+    the call's whole history, rendered afresh, the prompt of the next. Only prompt tokens are
+    rendered again; what the policy sampled stays in the segment it was sampled in."""
+    episode = _episode(sample)
+    assert sample.loss_mask is not None and len(sample.loss_mask) == len(sample.response_ids)
+    episode.segments.append(
+        Sample(
+            list(sample.prompt_ids),
+            sample.group_id,
+            sample.index,
+            response_ids=sample.response_ids,
+            logprobs=sample.logprobs,
+            token_versions=sample.token_versions,
+            finish_reason="stop",
+            loss_mask=sample.loss_mask,
+        )
+    )
+    sample.response_ids, sample.logprobs, sample.token_versions, sample.loss_mask = [], [], [], []
+    episode.turn_start = 0
+    _first(tokenizer, sample, request, limits)
 
 
 def _extend(

@@ -175,6 +175,9 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         metrics["agent/refused_calls"] = float(sum(e.refused_calls for e in functions))
         metrics["agent/prefix_breaks"] = float(sum(e.prefix_breaks for e in functions))
         metrics["agent/replay_mismatches"] = float(sum(e.replay_mismatches for e in functions))
+        metrics["agent/segments_per_episode"] = sum(1 + len(e.segments) for e in functions) / len(
+            functions
+        )
     reporting = [s for s in samples if s.episode is not None and s.cached_prompt_tokens is not None]
     if reporting:  # vLLM: how much of each turn's history its prefix cache served
         metrics["agent/prefix_cache_hit_rate"] = sum(

@@ -55,6 +55,7 @@ class _EpisodeRecord(_Record):
     refused_calls: int
     prefix_breaks: int
     replay_mismatches: int
+    segments: list[_SampleRecord]
 
 
 class _SampleRecord(_Record):
@@ -70,6 +71,9 @@ class _SampleRecord(_Record):
     episode: _EpisodeRecord | None
     request_prompt_tokens: int
     cached_prompt_tokens: int | None
+
+
+_EpisodeRecord.model_rebuild()  # its segments are samples, defined after it
 
 
 class _GroupRecord(_Record):
@@ -166,6 +170,7 @@ def _episode_to_json(episode: Episode) -> dict:
         if f.name not in ("env", "tool_spans")  # spans: the driver's trace has taken them
     }
     record["errors"] = dict(episode.errors)
+    record["segments"] = [_sample_to_json(segment) for segment in episode.segments]
     if episode.env is None:
         record["env"] = None
         return record
@@ -191,12 +196,15 @@ def _sample_from_record(
     fields = record.model_dump(exclude={"episode"})
     episode = None
     if record.episode is not None and record.episode.env is None:
-        episode_fields = record.episode.model_dump(exclude={"env", "errors"})
-        episode = Episode(env=None, errors=Counter(record.episode.errors), **episode_fields)
+        episode_fields = record.episode.model_dump(exclude={"env", "errors", "segments"})
+        segments = [_sample_from_record(s, None, where) for s in record.episode.segments]
+        episode = Episode(
+            env=None, errors=Counter(record.episode.errors), segments=segments, **episode_fields
+        )
     elif record.episode is not None:
         if env_class is None:
             raise ValueError(f"{where} holds an agent episode, but this run has no environment")
-        episode_fields = record.episode.model_dump(exclude={"env", "errors"})
+        episode_fields = record.episode.model_dump(exclude={"env", "errors", "segments"})
         env = env_class.__new__(env_class)
         for name, value in record.episode.env.items():
             if isinstance(value, dict) and set(value) == {"bytes"}:

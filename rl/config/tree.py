@@ -463,6 +463,12 @@ class AgentConfig(Section):
     tool_memory_mb: int = Field(
         1024, description="Address-space limit of a tool call, MiB (0 = none)."
     )
+    prefix_break: Literal["segment", "end"] = Field(
+        "segment",
+        description="An agent function's call whose history is not the episode's so far: "
+        "'segment' starts a new sequence, trained as a sample of its own with the episode's "
+        "advantage; 'end' refuses it (finish_reason length), training what came before.",
+    )
     env_workers: int = Field(
         2, description="Sandboxed workers per process running a user's environment's methods."
     )

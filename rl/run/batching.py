@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rl.types import Batch, Sample
@@ -62,3 +64,29 @@ def response_targets(sample: Sample) -> slice:
 def per_sample(values: torch.Tensor, samples: list[Sample]) -> list[list[float]]:
     """The response part of each row of `values` [B, T-1], as one list per sample."""
     return [values[row, response_targets(s)].tolist() for row, s in enumerate(samples)]
+
+
+def with_segments(samples: list[Sample]) -> list[Sample]:
+    """`samples`, then the earlier segments of their agent functions' episodes (each a sample
+    of its own sequence, rl.agents.api_calls), in order: every sequence a step trains on."""
+    return samples + [
+        segment for s in samples if s.episode is not None for segment in s.episode.segments
+    ]
+
+
+def stack(first: Batch, second: Batch, pad_id: int) -> Batch:
+    """The rows of `first`, then those of `second`, right-padded to the longer width (input
+    ids with `pad_id`, everything else with 0). A tensor only one of them has is dropped."""
+    width = max(first.input_ids.shape[1], second.input_ids.shape[1])
+    fields = {}
+    for f in dataclasses.fields(Batch):
+        a, b = getattr(first, f.name), getattr(second, f.name)
+        if a is None or b is None:
+            fields[f.name] = None
+            continue
+        full = width if f.name in ("input_ids", "attention_mask") else width - 1
+        fill = pad_id if f.name == "input_ids" else 0
+        fields[f.name] = torch.cat(
+            [torch.nn.functional.pad(t, (0, full - t.shape[1]), value=fill) for t in (a, b)]
+        )
+    return Batch(**fields)

@@ -31,7 +31,7 @@ from rl.config import AlgorithmConfig, Config
 from rl.observe.flops import peak_flops, train_flops
 from rl.rewards import RewardScorer
 from rl.rewards.truncation import cap_truncated, is_truncated
-from rl.run.batching import build_batch, per_sample
+from rl.run.batching import build_batch, per_sample, stack, with_segments
 from rl.sync.weight_sync import WeightSync
 from rl.types import Batch, Sample
 
@@ -110,7 +110,9 @@ def annotate_samples(
     critic: CriticRanks | None,
 ) -> list[Sample]:
     """Fill each sample's proximal (when recomputed) and reference (when KL is on) log-probs
-    and critic values, from the trainer side's current weights; returns `samples`."""
+    and critic values, from the trainer side's current weights, its agent episode's earlier
+    segments' too; returns `samples`."""
+    returned, samples = samples, with_segments(samples)
     batch = build_batch(samples, pad_id)
     if recomputes_old_logprobs(cfg):
         for sample, values in zip(
@@ -126,7 +128,7 @@ def annotate_samples(
             samples, per_sample(critic.compute_values(batch), samples), strict=True
         ):
             sample.values = values
-    return samples
+    return returned
 
 
 def prepare_batch(
@@ -164,8 +166,12 @@ def prepare_batch(
         rewards, mask, algo, batch.old_values, kl_penalty
     )
     metrics["advantage/abs_mean"] = masked_mean(batch.advantages.abs(), mask).item()
-
     critic_batch = batch
+    segments = with_segments(samples)[len(samples) :]
+    if segments and not ADVANTAGES.traits(algo.advantage).needs_critic:
+        batch = stack(batch, _segment_batch(batch, samples, segments, pad_id), pad_id)
+        mask = batch.loss_mask
+
     correction = cfg.algorithm.off_policy
     if OFF_POLICY_CORRECTIONS.traits(correction).needs_proximal and not proximal_from_forward(cfg):
         is_weights, loss_mask = OFF_POLICY_CORRECTIONS.get(correction)(
@@ -175,6 +181,22 @@ def prepare_batch(
         metrics["off_policy/kept_token_frac"] = (loss_mask.sum() / mask.sum()).item()
         metrics["off_policy/weight_mean"] = masked_mean(is_weights, loss_mask).item()
     return batch, critic_batch, metrics
+
+
+def _segment_batch(
+    batch: Batch, samples: list[Sample], segments: list[Sample], pad_id: int
+) -> Batch:
+    """The rows of agent episodes' earlier segments (rl.agents.api_calls), each with its
+    episode's advantage: the one at its last segment's first trained token in `batch` (an
+    outcome advantage is the same at every token of a sequence)."""
+    first = (batch.loss_mask > 0).float().argmax(dim=1)
+    advantage = batch.advantages[torch.arange(len(samples)), first]
+    owner = [
+        row for row, s in enumerate(samples) if s.episode is not None for _ in s.episode.segments
+    ]
+    rows = build_batch(segments, pad_id)
+    rows.advantages = advantage[owner, None] * rows.loss_mask
+    return rows
 
 
 class TrainerSide:

@@ -102,3 +102,13 @@ def completions(example: dict, base_url: str, api_key: str, model: str) -> str:
         text = client.completions.create(model=model, prompt=prompt, max_tokens=8).choices[0].text
         prompt += text + "\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n"
     return text
+
+
+def trims(example: dict, base_url: str, api_key: str, model: str) -> None:
+    """A framework that keeps only the last exchange: every call after the first drops the
+    history before it, so each starts a segment of its own."""
+    client = _client(base_url, api_key)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    for turn in range(TURNS):
+        _ask(client, model, messages)
+        messages = messages[-1:] + [{"role": "user", "content": f"Go on ({turn})."}]

@@ -123,6 +123,21 @@ def test_an_sdk_agents_calls_are_one_sequence_whose_logprobs_match_transformers(
         assert sample.response_text == episode.calls[-1]["reply"]["content"]
 
 
+def test_a_framework_that_trims_its_history_trains_each_segment_as_sampled(
+    engines: Engines, model_dir: Path
+) -> None:
+    samples = _run(engines, model_dir, _agent("trims"), _episodes(2), _params(2))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for sample in samples:
+        episode = sample.episode
+        assert episode.prefix_breaks == TURNS - 1 and len(episode.segments) == TURNS - 1
+        sequences = [*episode.segments, sample]
+        sampled = sum(c["usage"]["completion_tokens"] for c in episode.calls)
+        assert sum(sum(s.loss_mask) for s in sequences) == sampled  # no sampled token lost
+        for sequence in sequences:
+            assert parity_gap(model, sequence) < PARITY_TOL
+
+
 def test_a_number_the_agent_returns_is_its_reward(engines: Engines, model_dir: Path) -> None:
     [sample] = _run(engines, model_dir, _agent("rewarded"), _episodes(1), _params(1))
     assert sample.episode.reward == 0.25 and sample.episode.env_failures == 0

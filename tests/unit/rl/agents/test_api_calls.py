@@ -121,33 +121,60 @@ def test_sampled_tokens_are_kept_verbatim_even_where_they_are_not_the_canonical_
     assert sample.response_ids[: len(ids)] == ids
 
 
-@pytest.mark.parametrize(
-    "history",
-    [
-        lambda reply: [USER, {"role": "user", "content": "trimmed"}],  # history cut
-        lambda reply: [
-            {**USER, "content": "reworded"},
-            _sdk_history(reply),
-            {"role": "user", "content": "x"},
-        ],
-        lambda reply: [
-            USER,
-            {"role": "assistant", "content": "rewritten"},
-            {"role": "user", "content": "x"},
-        ],
-        lambda reply: [USER, _sdk_history(reply)],  # nothing new: the same turn asked again
+BREAKS = [
+    lambda reply: [USER, {"role": "user", "content": "trimmed"}],  # history cut
+    lambda reply: [
+        {**USER, "content": "reworded"},
+        _sdk_history(reply),
+        {"role": "user", "content": "x"},
     ],
-)
-def test_a_call_whose_history_is_not_the_episodes_is_a_counted_prefix_break(
+    lambda reply: [
+        USER,
+        {"role": "assistant", "content": "rewritten"},
+        {"role": "user", "content": "x"},
+    ],
+    lambda reply: [USER, _sdk_history(reply)],  # nothing new: the same turn asked again
+]
+END = Limits(max_turns=4, max_new_tokens=400, max_model_len=4096, segments=False)
+
+
+@pytest.mark.parametrize("history", BREAKS)
+def test_a_prefix_break_closes_a_segment_and_renders_the_new_history_as_a_prompt(
     tokenizer, history
 ) -> None:
     sample = _sample()
     first = _served(tokenizer, sample, _chat([USER]), ANSWER)
+    held = (list(sample.prompt_ids), list(sample.response_ids), list(sample.logprobs))
+    messages = history(first["reply"])
+    plan = begin_call(tokenizer, sample, _chat(messages), LIMITS)
+    assert plan.served is None and sample.episode.prefix_breaks == 1
+    [segment] = sample.episode.segments
+    assert (segment.prompt_ids, segment.response_ids, segment.logprobs) == held
+    assert segment.loss_mask == [1] * len(held[1]) and segment.episode is None
+    # The new sequence's prompt is the template's rendering of the call's whole history.
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in messages],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert tokenizer.decode(sample.prompt_ids, skip_special_tokens=False) == rendered
+    assert sample.response_ids == [] and sample.loss_mask == []
+    _sample_turn(tokenizer, sample, _turn_ids(tokenizer, ANSWER))
+    assert end_call(tokenizer, sample, LIMITS, "hermes")["reply"]["content"] == ANSWER
+    assert sample.episode.num_turns == 2
+
+
+@pytest.mark.parametrize("history", BREAKS)
+def test_with_prefix_break_end_a_break_is_refused_and_counted(tokenizer, history) -> None:
+    sample = _sample()
+    first = _served(tokenizer, sample, _chat([USER]), ANSWER)
     held = list(sample.response_ids)
-    plan = begin_call(tokenizer, sample, _chat(history(first["reply"])), LIMITS)
+    plan = begin_call(tokenizer, sample, _chat(history(first["reply"])), END)
     assert plan.served["finish_reason"] == "length"
     assert sample.episode.prefix_breaks == 1 and sample.episode.refused_calls == 1
     assert sample.response_ids == held and len(sample.episode.calls) == 1
+    assert not sample.episode.segments
 
 
 def test_other_tools_than_the_episodes_are_a_prefix_break(tokenizer) -> None:
@@ -155,7 +182,8 @@ def test_other_tools_than_the_episodes_are_a_prefix_break(tokenizer) -> None:
     first = _served(tokenizer, sample, _chat([USER]), ANSWER)
     messages = [USER, _sdk_history(first["reply"]), {"role": "user", "content": "x"}]
     plan = begin_call(tokenizer, sample, parse_chat_request({"messages": messages}), LIMITS)
-    assert plan.served["finish_reason"] == "length" and sample.episode.prefix_breaks == 1
+    assert plan.served is None and sample.episode.prefix_breaks == 1
+    assert len(sample.episode.segments) == 1 and sample.episode.tools is None
 
 
 def test_a_call_past_max_turns_gets_finish_reason_length_without_generating(tokenizer) -> None:

@@ -82,12 +82,20 @@ def test_an_agent_functions_partial_episode_comes_back_with_its_example_and_call
     ]
     episode = Episode(None, [], None, turn_start=4, num_turns=1, example={"prompt": "1+2"})
     episode.calls, episode.served, episode.refused_calls = calls, 1, 2
+    episode.segments = [Sample([4], 3, 1, [6, 7], [-0.5, 0.0], [2, -1], "stop", loss_mask=[1, 0])]
     sample = Sample([1], 3, 1, [5, 6, 7, 8, 9], [-1.0] * 5, [0] * 5, "abort")
     sample.loss_mask, sample.episode = [1, 1, 0, 0], episode
     (group,) = _through_json(_state(sample, kept=None)).groups  # no env_class: none needed
     restored = group.samples[0].episode
     assert restored.env is None and restored.example == {"prompt": "1+2"}
     assert restored.calls == calls and restored.refused_calls == 2 and restored.served == 1
+    [segment] = restored.segments
+    assert (segment.prompt_ids, segment.response_ids, segment.logprobs) == (
+        [4],
+        [6, 7],
+        [-0.5, 0.0],
+    )
+    assert segment.token_versions == [2, -1] and segment.loss_mask == [1, 0]
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,52 @@ def test_annotation_fills_each_samples_response_tokens_only() -> None:
     assert all(s.values is None for s in samples)
 
 
+def _segmented() -> list[Sample]:
+    """Sample 0 is an agent function's episode that broke its prefix once: an earlier segment
+    of its own prompt and two sampled tokens around an observation."""
+    samples = _samples()
+    episode = Episode(None, [], None, example={})
+    episode.segments = [
+        Sample(
+            [7, 8, 9], 0, 0, [5, 6, 7], [-0.25, 0.0, -0.75], [0, -1, 0], "stop", loss_mask=[1, 0, 1]
+        )
+    ]
+    samples[0].episode, samples[0].loss_mask = episode, [1, 1]
+    return samples
+
+
+def test_an_episodes_earlier_segments_are_annotated_too() -> None:
+    cfg = _config(recompute_old_logprobs=True, kl_coef=0.1)
+    samples = annotate_samples(cfg, _segmented(), 0, _Trainers(shift=1.0), None)
+    segment = samples[0].episode.segments[0]
+    assert segment.old_logprobs == [0.75, 0.0, 0.25]  # sampled tokens shifted, the rest 0
+    assert segment.ref_logprobs == [1.75, 0.0, 1.25]
+
+
+def test_an_episodes_earlier_segment_trains_as_a_row_with_the_episodes_advantage() -> None:
+    cfg = _config()
+    batch, critic_batch, _ = prepare_batch(cfg, _segmented(), [1.0, 0.0], 0, 0.0)
+    # GRPO over the group's two episodes, by its formula: (s - mean) / (unbiased std + 1e-6).
+    scores = torch.tensor([1.0, 0.0])
+    expected = ((scores - scores.mean()) / (scores.std() + 1e-6))[0].item()
+    assert batch.num_sequences == 3 and critic_batch.num_sequences == 2
+    # The segment's row: prompt [7, 8, 9], response [5, 6, 7]; its targets 2..4.
+    assert batch.input_ids[2].tolist() == [7, 8, 9, 5, 6, 7]
+    assert batch.loss_mask[2].tolist() == [0, 0, 1, 0, 1]
+    assert batch.advantages[2].tolist() == pytest.approx([0, 0, expected, 0, expected])
+    assert batch.behaviour_logprobs[2, 2:].tolist() == [-0.25, 0.0, -0.75]
+    assert batch.advantages[0, 1:3].tolist() == pytest.approx([expected, expected])
+
+
+def test_under_a_critic_an_episodes_earlier_segments_are_not_trained() -> None:
+    samples = _segmented()
+    for sample in [*samples, *samples[0].episode.segments]:
+        sample.values = [0.0] * len(sample.response_ids)
+    cfg = _config(advantage="gae")
+    batch, _, _ = prepare_batch(cfg, samples, [1.0, 0.0], 0, 0.0)
+    assert batch.num_sequences == 2
+
+
 def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
     cfg = _config(recompute_old_logprobs=True, off_policy="token-tis", is_cap=1.5)
     samples = annotate_samples(cfg, _samples(), 0, _Trainers(shift=1.0), None)
