@@ -16,6 +16,7 @@ either.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -41,6 +42,8 @@ _REPO_ROOT = str(Path(rl.__file__).resolve().parent.parent)
 # What a worker inherits of the driver's environment unless the caller adds more: the
 # interpreter and libraries still work, and the driver's credentials (tokens, keys) stay out.
 # HOME tells the launcher which directory to hide; the worker gets a private one in its place.
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None)  # loaded here: a forked child should not run the dynamic loader
 BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONPATH", "VIRTUAL_ENV")
 
 
@@ -225,6 +228,41 @@ def connect(fd: int) -> Connection:
     """In a worker, first thing: the connection to the driver at `fd`. (The launcher already
     sees to it that the worker dies with the driver.)"""
     return Connection(fd)
+
+
+def fork_group(child: Callable[[], None], close: Sequence[int] = ()) -> int:
+    """In a worker: fork a process that closes `close`, runs `child` and ends (exit code 0,
+    or EX_SOFTWARE when it raised or never ran), in a process group of its own, so that it
+    ends with every process it started (`kill_group`), and dying with the worker; its pid."""
+    worker = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: it must end here, whatever happens
+        code = os.EX_SOFTWARE
+        try:
+            os.setpgid(0, 0)
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() == worker:  # (else the worker died before the signal was armed)
+                for fd in close:
+                    os.close(fd)
+                child()
+                code = 0
+        finally:
+            os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # also here: a kill must not find the group not made yet
+    except OSError:
+        pass  # the child made it, or already exited
+    return pid
+
+
+def kill_group(pid: int) -> None:
+    """Kill a `fork_group` process and every process it started (its group). Before `pid` is
+    reaped, so that neither number can belong to another process yet."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def describe(e: BaseException) -> str:

@@ -39,17 +39,13 @@ from rl.types import Sample, SamplingParams
 from rollout.engine_loop import FinishedBatches, GenerationLoop
 
 
-class AgentLoop:
-    def __init__(
-        self,
-        generation: GenerationLoop,
-        tokenizer: PreTrainedTokenizerBase,
-        cfg: AgentConfig,
-        tools: ToolPool,
-    ) -> None:
+class EpisodeLoop:
+    """What the agent loops share (this module's AgentLoop and rollout.api_agent_loop's): the
+    interface of `rollout.engine_loop.GenerationLoop`, over episodes that `_episodes` runs."""
+
+    def __init__(self, generation: GenerationLoop) -> None:
         self.generation = generation
         self.engine = generation.engine
-        self.tokenizer, self.cfg, self.tools = tokenizer, cfg, tools
         self._interrupted = False
         self._batches = FinishedBatches()
 
@@ -72,6 +68,21 @@ class AgentLoop:
         """Abort the turns being generated; episodes between turns stop before the next."""
         self._interrupted = True
         return self.generation.interrupt()
+
+    async def _episodes(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
+        raise NotImplementedError
+
+
+class AgentLoop(EpisodeLoop):
+    def __init__(
+        self,
+        generation: GenerationLoop,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: AgentConfig,
+        tools: ToolPool,
+    ) -> None:
+        super().__init__(generation)
+        self.tokenizer, self.cfg, self.tools = tokenizer, cfg, tools
 
     async def _episodes(self, samples: list[Sample], params: SamplingParams) -> list[Sample]:
         for sample in samples:

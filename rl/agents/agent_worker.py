@@ -18,25 +18,21 @@ stops one by asking (its group is killed). What the function returns travels bac
 
 from __future__ import annotations
 
-import ctypes
+import asyncio
 import gc
 import json
 import os
 import random
 import selectors
-import signal
 import socket
 import ssl
 import sys
 from collections.abc import Callable
 
-from rl.sandbox import connect, describe
+from rl.sandbox import connect, describe, fork_group, kill_group
 from rl.user_code import load_file_object, parse_file_ref
 
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None)
 MAX_RESULT_CHARS = 1 << 16  # an answer longer than this is cut
-EPISODE_NICENESS = 10
 
 
 def load_agent(ref: str) -> Callable:
@@ -98,12 +94,7 @@ def start_forwarder(path: str) -> int:
     listener.bind(("127.0.0.1", 0))
     listener.listen(256)
     port = listener.getsockname()[1]
-    if os.fork() == 0:
-        try:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            _relay(listener, path)
-        finally:
-            os._exit(0)
+    fork_group(lambda: _relay(listener, path))
     listener.close()
     return port
 
@@ -137,6 +128,21 @@ def warm_up(base_url: str) -> None:
     try:
         client = openai.OpenAI(base_url=base_url, api_key="warm-up", max_retries=0)
         client.chat.completions.create(model="warm-up", messages=[{"role": "user", "content": ""}])
+    except Exception:
+        pass
+
+    # The async client (asyncio agents, verifiers' harnesses) loads its own transport modules.
+    async def call() -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="warm-up", max_retries=0)
+        try:
+            await client.chat.completions.create(
+                model="warm-up", messages=[{"role": "user", "content": ""}]
+            )
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(call())
     except Exception:
         pass
 
@@ -174,37 +180,12 @@ def _episode(fn: Callable, request: dict, base_url: str, model: str, result_w: i
 def _start(fn: Callable, request: dict, base_url: str, model: str, conn_fd: int) -> tuple[int, int]:
     """Fork an episode's process; (its pid, the read end of its result pipe)."""
     result_r, result_w = os.pipe()
-    worker = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        code = os.EX_SOFTWARE
-        try:
-            os.setpgid(0, 0)  # its own group: stopped with every process it started
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            # Behind the worker and the forwarder for a CPU: a round's episodes start at once,
-            # and starting the next ones and relaying their calls must not wait on them.
-            os.nice(EPISODE_NICENESS)
-            if os.getppid() == worker:
-                os.close(conn_fd)
-                os.close(result_r)
-                _episode(fn, request, base_url, model, result_w)
-                code = 0
-        finally:
-            os._exit(code)
-    try:
-        os.setpgid(pid, pid)  # also here: a kill must not find the group not made yet
-    except OSError:
-        pass
+
+    pid = fork_group(
+        lambda: _episode(fn, request, base_url, model, result_w), close=(conn_fd, result_r)
+    )
     os.close(result_w)
     return pid, result_r
-
-
-def _kill(pid: int) -> None:
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _serve(conn, fn: Callable, base_url: str, model: str) -> None:  # noqa: ANN001
@@ -223,7 +204,7 @@ def _serve(conn, fn: Callable, base_url: str, model: str) -> None:  # noqa: ANN0
                         running[rid] = (pid, fd, bytearray())
                         selector.register(fd, selectors.EVENT_READ, rid)
                     elif rid in running:  # "stop"
-                        _kill(running[rid][0])
+                        kill_group(running[rid][0])
                     continue
                 rid = key.data
                 pid, fd, data = running[rid]
@@ -234,7 +215,7 @@ def _serve(conn, fn: Callable, base_url: str, model: str) -> None:  # noqa: ANN0
                 selector.unregister(fd)
                 os.close(fd)
                 del running[rid]
-                _kill(pid)  # what the episode left running in its group goes with it
+                kill_group(pid)  # what the episode left running in its group goes with it
                 _, status = os.waitpid(pid, 0)
                 try:
                     reply = json.loads(bytes(data))
@@ -245,7 +226,7 @@ def _serve(conn, fn: Callable, base_url: str, model: str) -> None:  # noqa: ANN0
                 conn.send_bytes(json.dumps({"id": rid, **reply}).encode())
     except (EOFError, BrokenPipeError):
         for pid, _, _ in running.values():
-            _kill(pid)
+            kill_group(pid)
 
 
 def main(fd: int) -> None:

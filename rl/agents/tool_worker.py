@@ -15,7 +15,6 @@ tool code, enforces the wall-clock timeout and reports what happened.
 from __future__ import annotations
 
 import codecs
-import ctypes
 import importlib
 import json
 import math
@@ -30,11 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rl.sandbox import connect, describe
+from rl.sandbox import connect, describe, fork_group, kill_group
 from rl.user_code import load_file_object, parse_file_ref
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None)  # loaded here: a forked child should not run the dynamic loader
 
 
 @dataclass(frozen=True)
@@ -131,16 +127,6 @@ def _call(fn: Callable, arguments: dict, s: Settings, workdir: str, out_w: int, 
         json.dump({"text": kept, "more": len(text) - len(kept), "error": error}, f)
 
 
-def _kill_group(pid: int) -> None:
-    """Kill the call's process `pid` and every process it started (its process group). Before
-    `pid` is reaped, so neither number can belong to another process yet."""
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _end_the_rest() -> None:
     """In a pid namespace of its own (rl.isolation), where this worker is pid 1: kill every
     other process, such as one a call started in a session of its own, which its group's kill
@@ -164,24 +150,9 @@ def _run(fn: Callable, arguments: dict, s: Settings, conn_fd: int) -> dict:
     workdir = tempfile.mkdtemp(prefix="call-")  # in the sandbox's private TMPDIR
     out_r, out_w = os.pipe()
     res_r, res_w = os.pipe()
-    worker = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the call's process: it must end here, whatever happens
-        code = os.EX_SOFTWARE  # it failed before it could report
-        try:
-            os.setpgid(0, 0)  # its own group: the call ends with every process it started
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the worker
-            if os.getppid() == worker:
-                for fd in (conn_fd, out_r, res_r):
-                    os.close(fd)
-                _call(fn, arguments, s, workdir, out_w, res_w)
-                code = 0
-        finally:
-            os._exit(code)
-    try:
-        os.setpgid(pid, pid)  # also here: a kill must not find the group not made yet
-    except OSError:
-        pass  # the child made it, or already exited
+    pid = fork_group(
+        lambda: _call(fn, arguments, s, workdir, out_w, res_w), close=(conn_fd, out_r, res_r)
+    )
     os.close(out_w)
     os.close(res_w)
     try:
@@ -217,7 +188,7 @@ def _collect(
                 elif key.fd == pidfd:
                     # It exited: what it started goes too, so that the pipes close.
                     exited = True
-                    _kill_group(pid)
+                    kill_group(pid)
                     selector.unregister(pidfd)
                     continue
                 else:
@@ -230,7 +201,7 @@ def _collect(
                         result += data
             if driver_gone:
                 break
-        _kill_group(pid)
+        kill_group(pid)
         _, status, usage = os.wait4(pid, 0)
         _end_the_rest()
     finally:

@@ -7,18 +7,8 @@ import time
 
 import openai
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "The city."}},
-            "required": ["city"],
-        },
-    },
-}
+from tests.helpers.chat_templates import WEATHER_TOOL as WEATHER
+
 TURNS = 3
 
 

@@ -162,7 +162,7 @@ def test_the_agent_reaches_its_endpoint_with_its_own_key_and_nothing_else(
 def test_an_agent_that_raises_hangs_or_floods_is_stopped_and_counted(
     engines: Engines, model_dir: Path, function: str, timeout: bool
 ) -> None:
-    cfg = _agent(function, env_timeout_s=2.0)
+    cfg = _agent(function, env_timeout_s=5.0)
     samples = _run(engines, model_dir, cfg, _episodes(2), _params(2))
     for sample in samples:
         episode = sample.episode

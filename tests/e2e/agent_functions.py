@@ -1,0 +1,20 @@
+"""The agent function of tests/e2e/test_agent_function_runs.py, written as users write one:
+the plain `openai` SDK against the endpoint it is given. It asks the question, then asks
+again with its history whole, and scores itself by whether the two answers agree (so that a
+group's episodes differ in reward and training has a gradient)."""
+
+import openai
+
+
+def ask_twice(example: dict, base_url: str, api_key: str, model: str) -> float:
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    answers = []
+    for follow_up in ("Again:", None):
+        reply = client.chat.completions.create(model=model, messages=messages)
+        message = reply.choices[0].message
+        answers.append(message.content or "")
+        messages.append(message.model_dump(exclude_none=True))
+        if follow_up is not None:
+            messages.append({"role": "user", "content": f"{follow_up} {example['prompt']}"})
+    return float(answers[0] == answers[1])
