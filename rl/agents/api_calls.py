@@ -76,6 +76,15 @@ class Plan:
     max_new_tokens: int = 0
 
 
+def start_episodes(example: dict, group_id: int, n: int) -> list[Sample]:
+    """The `n` fresh samples of a group of an agent function's episodes: each holds only
+    `example`, its first call makes the prompt."""
+    return [
+        Sample([], group_id, k, loss_mask=[], episode=Episode(None, [], None, example=example))
+        for k in range(n)
+    ]
+
+
 def _episode(sample: Sample) -> Episode:
     episode = sample.episode
     assert episode is not None and episode.env is None, "not an agent function's episode"

@@ -5,12 +5,13 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from rl.agents.agent_pool import agent_function
+from rl.agents.api_calls import start_episodes
 from rl.agents.episode import start_group
 from rl.agents.resolve import agent_tools, get_environment
 from rl.agents.tool_pool import tool_schemas
 from rl.config import Config
 from rl.data.prompts import encode_prompt
-from rl.types import Episode, Sample, fresh_samples
+from rl.types import Sample, fresh_samples
 
 
 class GroupStarter:
@@ -34,12 +35,7 @@ class GroupStarter:
 
     def start(self, example: dict, group_id: int, n: int) -> list[Sample]:
         if self.agent_function:
-            return [
-                Sample(
-                    [], group_id, k, loss_mask=[], episode=Episode(None, [], None, example=example)
-                )
-                for k in range(n)
-            ]
+            return start_episodes(example, group_id, n)
         if self.env_class is None:
             return fresh_samples([encode_prompt(self.tokenizer, example["prompt"])], n, [group_id])
         return start_group(self.env_class, self.tokenizer, example, self.tool_schemas, n, group_id)

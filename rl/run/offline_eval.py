@@ -142,16 +142,21 @@ class Evaluator:
             engine=engine, max_model_len=max_model_len, max_new_tokens=max_new_tokens
         )
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        from rl.agents.agent_pool import agent_function
+
         self.agent = agent if agent is not None and agent.enabled else None
         self._tools = None
-        if self.agent is not None:  # the tools first: one that cannot load fails fast
+        self._function = self.agent is not None and agent_function(self.agent.environment)
+        if (
+            self.agent is not None and not self._function
+        ):  # tools first: one that cannot load fails fast
             from rl.agents.resolve import get_environment
             from rl.agents.tool_pool import ToolPool
 
             self._env_class = get_environment(self.agent)
             self._tools = ToolPool.for_agent(self.agent)
         self.engine = build_engine(str(model_dir), cfg, "float32", seed)
-        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.max_new_tokens, self.max_model_len, self.seed = max_new_tokens, max_model_len, seed
 
     def close(self) -> None:
         if self._tools is not None:
@@ -178,6 +183,9 @@ class Evaluator:
     def _episodes(self, examples: list[dict], n: int, params: SamplingParams) -> list[Sample]:
         import asyncio
 
+        if self._function:
+            return asyncio.run(self._function_episodes(examples, n, params))
+
         from rl.agents.episode import start_group
         from rollout.agent_loop import AgentLoop
         from rollout.engine_loop import GenerationLoop
@@ -194,6 +202,25 @@ class Evaluator:
             return await loop.generate(samples, params)
 
         return asyncio.run(run())
+
+    async def _function_episodes(
+        self, examples: list[dict], n: int, params: SamplingParams
+    ) -> list[Sample]:
+        """An agent function's episodes, through an endpoint in front of this engine."""
+        from rl.agents.api_calls import start_episodes
+        from rollout.api_agent_loop import ApiAgentLoop
+        from rollout.engine_loop import GenerationLoop
+
+        assert self.agent is not None
+        samples = [s for i, example in enumerate(examples) for s in start_episodes(example, i, n)]
+        loop = ApiAgentLoop(
+            GenerationLoop(self.engine), self.tokenizer, self.agent, self.max_model_len
+        )
+        await loop.open()
+        try:
+            return await loop.generate(samples, params)
+        finally:
+            await loop.close()
 
     def evaluate(
         self, examples: list[dict], task_name: str, k: int, temperature: float

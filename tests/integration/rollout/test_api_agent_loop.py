@@ -249,3 +249,17 @@ def test_an_interrupt_pauses_the_episodes_and_they_resume_whole(
     for sample in asyncio.run(run()):
         assert sample.finish_reason == "stop" and sample.episode.num_turns == TURNS
         assert sample.episode.replay_mismatches == 0
+
+
+def test_rl_eval_and_generate_run_an_agent_functions_episodes(model_dir: Path) -> None:
+    from rl.run.offline_eval import Evaluator
+
+    evaluator = Evaluator(
+        model_dir, MAX_NEW_TOKENS, ROLLOUT.max_model_len, 0, "torch", _agent("conversation")
+    )
+    try:
+        [group] = evaluator.sample([EXAMPLE], n=2, temperature=TEMPERATURE)
+    finally:
+        evaluator.close()
+    assert [s.episode.num_turns for s in group] == [TURNS, TURNS]
+    assert all(s.response_text == s.episode.calls[-1]["reply"]["content"] for s in group)
