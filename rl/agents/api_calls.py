@@ -118,7 +118,8 @@ def begin_call(
         if call["reply"] is not None:
             episode.served += 1
             return Plan(served=call)
-        return _generate(sample, request, limits)  # the turn in flight at the pause goes on
+        # The turn in flight at the pause goes on, to the length it was given at its start.
+        return Plan(max_new_tokens=call["max_new_tokens"])
     if sample.finish_reason == "length" or episode.max_turns_reached:
         return _refused(episode, request)  # the episode's budget is spent
     if episode.num_turns >= limits.max_turns:
@@ -134,14 +135,12 @@ def begin_call(
         if sample.finish_reason == "length" or not limits.segments:
             return _refused(episode, request)
         _new_segment(tokenizer, sample, request, limits)
-    episode.calls.append({"request": record, "reply": None, "finish_reason": None})
-    return _generate(sample, request, limits)
-
-
-def _generate(sample: Sample, request: Request, limits: Limits) -> Plan:
     cap = limits.max_new_tokens
     if request.max_tokens is not None:
         cap = min(cap, len(sample.response_ids) + request.max_tokens)
+    episode.calls.append(
+        {"request": record, "reply": None, "finish_reason": None, "max_new_tokens": cap}
+    )
     return Plan(max_new_tokens=cap)
 
 

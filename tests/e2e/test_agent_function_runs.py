@@ -1,8 +1,8 @@
 """An agent function (`agent.environment: openai:...`) through the real `rl` command: its
 episodes pause at every sync's abort point mid-turn and resume by running the agent again,
-answered from the record; two runs log the same metrics bit for bit, and so does a run killed
-with SIGKILL after a step and resumed with `--resume auto`, whose episodes in flight (their
-calls in the checkpoint) resume the same way."""
+answered from the record; a run killed with SIGKILL after a step and resumed with `--resume
+auto`, whose episodes in flight (their calls in the checkpoint) resume the same way, logs the
+uninterrupted run's metrics bit for bit."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def reference(recipe: Path) -> list[dict]:
     return reference_run(recipe, NUM_STEPS)
 
 
-def test_two_agent_function_runs_log_the_same_metrics(recipe: Path, reference: list[dict]) -> None:
+def test_an_agent_function_run_pauses_its_episodes_and_trains(reference: list[dict]) -> None:
     check_metric_keys(reference)
     for record in reference[1:]:
         assert record["agent/turns_mean"] == 2.0  # both calls answered, one sequence
@@ -59,9 +59,8 @@ def test_two_agent_function_runs_log_the_same_metrics(recipe: Path, reference: l
         assert record["agent/env_failures"] == 0 and record["agent/replay_mismatches"] == 0
     # Episodes were paused at abort points and resumed (their agents run again) ...
     assert any(record["rollout/resumed_samples"] > 0 for record in reference[1:])
-    # ... and the steps had a gradient to get right.
-    assert any(record["actor/grad_norm"] > 0 for record in reference[2:])
-    assert run_recipe(recipe, "again") == reference
+    # ... and the steps after the resume point had a gradient to get right.
+    assert any(record["actor/grad_norm"] > 0 for record in reference[3:])
 
 
 def test_an_agent_function_run_killed_after_a_step_resumes_bit_for_bit(

@@ -245,8 +245,20 @@ def test_an_agent_run_again_is_answered_from_the_record_until_the_call_in_flight
     assert replayed.served == first
     plan = begin_call(tokenizer, sample, second_request, LIMITS)
     assert plan.served is None and sample.response_ids == held  # nothing appended again
+    assert plan.max_new_tokens == LIMITS.max_new_tokens
     _sample_turn(tokenizer, sample, _turn_ids(tokenizer, " sunny."))
     assert end_call(tokenizer, sample, LIMITS, "hermes")["reply"]["content"] == "It is sunny."
+
+
+def test_a_turn_paused_mid_way_keeps_the_cap_its_calls_max_tokens_gave_it(tokenizer) -> None:
+    sample = _sample()
+    first = begin_call(tokenizer, sample, _chat([USER], max_tokens=6), LIMITS)
+    assert first.max_new_tokens == 6
+    _sample_turn(
+        tokenizer, sample, tokenizer("It is", add_special_tokens=False)["input_ids"][:4], "abort"
+    )
+    sample.episode.served = 0  # run again: the same call, now 4 tokens into its turn
+    assert begin_call(tokenizer, sample, _chat([USER], max_tokens=6), LIMITS).max_new_tokens == 6
 
 
 def test_an_agent_run_again_that_asks_something_else_is_a_replay_mismatch(tokenizer) -> None:
