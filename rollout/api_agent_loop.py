@@ -42,7 +42,10 @@ from rollout.endpoint import Endpoint, Paused, Unknown
 from rollout.engine_loop import GenerationLoop
 
 MODEL = "policy"  # the model name /v1/models lists; a request's own is ignored
-FIRST_CALL_TRIES = 3  # runs of an agent that fails before its first call, before the run stops
+FIRST_CALL_TRIES = 3
+# How long an engine step waits for the next call while agents are between calls: about one
+# small-batch step of a tiny model on CPU, so a step serves calls that would each have cost one.
+GATHER_S = 0.005  # runs of an agent that fails before its first call, before the run stops
 
 
 @dataclass
@@ -77,6 +80,8 @@ class ApiAgentLoop(EpisodeLoop):
         self.endpoint = Endpoint(self._serve, MODEL)
         self.agents: AgentPool | None = None
         self._live: dict[str, _Live] = {}
+        self._arrived = asyncio.Event()  # a call started generating
+        generation.gather = self._gather
 
     async def open(self) -> None:
         """Start the endpoint, then the agent workers that reach it."""
@@ -196,6 +201,16 @@ class ApiAgentLoop(EpisodeLoop):
         if sample.finish_reason != "length":
             sample.finish_reason = "stop"
 
+    async def _gather(self) -> None:
+        """Between engine steps: while agents are between calls, wait up to GATHER_S for the
+        next call, so that calls arriving one by one share steps instead of each costing
+        the engine steps of a near-empty batch."""
+        if not any(not live.in_call for live in self._live.values()):
+            return
+        self._arrived.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._arrived.wait(), GATHER_S)
+
     def _count_failure(self, episode: Episode, outcome: Outcome) -> None:
         episode.env_failures += 1
         episode.env_timeouts += outcome.kind == "timeout"
@@ -230,6 +245,7 @@ class ApiAgentLoop(EpisodeLoop):
             if plan.served is not None:
                 return _response(kind, plan.served)
             params = replace(live.params, max_new_tokens=plan.max_new_tokens)
+            self._arrived.set()
             await self.generation.generate([sample], params)
             if sample.is_partial:
                 live.paused = True

@@ -8,6 +8,7 @@ thread, between steps, so a weight update or an abort never interleaves with a s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 from rl.types import Sample, SamplingParams
@@ -70,6 +71,9 @@ class GenerationLoop:
         self._owner: dict[int, _Call] = {}  # id(sample) -> the call it belongs to
         self._batches = FinishedBatches()
         self._stepper: asyncio.Task | None = None
+        # Awaited between steps when set: a caller whose work arrives call by call (agent
+        # functions through the endpoint) holds the next step until more of it is in.
+        self.gather: Callable[[], Awaitable[None]] | None = None
 
     def start(self, batches: dict[int, list[Sample]], params: SamplingParams) -> None:
         """Start every batch of samples (fresh or partial) at once; `poll` hands each back
@@ -122,6 +126,8 @@ class GenerationLoop:
                 self._settle(self.engine.step())
                 # Let other calls in between steps: new work, interrupts, weight updates.
                 await asyncio.sleep(0)
+                if self.gather is not None:
+                    await self.gather()
         except Exception as exc:  # handed to every waiting caller, who raise it
             self._fail(exc)
 

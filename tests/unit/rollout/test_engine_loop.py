@@ -121,3 +121,29 @@ def test_a_start_that_fails_reaches_the_waiting_poll_instead_of_hanging_it() -> 
             await asyncio.wait_for(polled, timeout=5)
 
     asyncio.run(run())
+
+
+def test_work_arriving_while_the_gather_hook_holds_joins_the_next_step() -> None:
+    """A sample started during the hook's wait after step 1 is in step 2, not a step later."""
+
+    async def run() -> list[int]:
+        engine = FakeEngine()
+        loop = GenerationLoop(engine)
+        late = _batch(0, n=1)
+        held = []
+
+        async def gather() -> None:
+            held.append(engine.num_steps)
+            if engine.num_steps == 1:
+                loop.start({2: late}, PARAMS)  # arrives while the next step waits
+                await asyncio.sleep(0.01)
+
+        loop.gather = gather
+        loop.start({1: _batch(3, n=1)}, PARAMS)
+        await loop.poll()
+        await loop.poll()
+        return held + [late[0].response_ids]
+
+    *held, late_ids = asyncio.run(run())
+    assert held[:2] == [1, 2]  # the hook ran between every two steps
+    assert late_ids == [2]  # the late sample's one token came from step 2
