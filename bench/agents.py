@@ -40,7 +40,8 @@ Sides (the same prompts and seeds in a round, taking turns; 1 warm-up + --rounds
   pool's fork; the last turn's call is not run). Its per-call overhead is measured two ways:
   on the endpoint, the seconds of a call not spent generating (request parsing, rendering
   and encoding the new messages, decoding the reply, JSON), and from the agent, each call's
-  seconds minus the endpoint's (HTTP through the sandbox's forwarder, the SDK).
+  seconds minus the endpoint's (HTTP through the sandbox's forwarder, the SDK, and the wait
+  for the rollout worker's event loop, which serves HTTP between engine steps).
 
 The agent and lockstep sides run with the instant tool and with the sleeping one. The prefix
 cache is reset before every side's round. Prefix-cache hits are vLLM's own count
@@ -535,7 +536,7 @@ def table(results: dict) -> str:
     rows += [
         "",
         "| endpoint overhead per call | tool | on the endpoint (parse, render, encode, decode, JSON) "
-        "| HTTP through the forwarder and the SDK |",
+        "| the rest as the agent sees it (HTTP, forwarder, SDK, the wait for an engine step) |",
         "|---|---|---:|---:|",
     ]
     for tool in (instant, slow):

@@ -15,6 +15,9 @@ from rl.types import Sample, SamplingParams
 from rollout.engines.contract import RolloutEngine
 
 
+PASSES_BETWEEN_STEPS = 4
+
+
 class _Call:
     """Samples started together; `done` resolves with them once none of them is running."""
 
@@ -125,7 +128,10 @@ class GenerationLoop:
             while self.engine.num_running:
                 self._settle(self.engine.step())
                 # Let other calls in between steps: new work, interrupts, weight updates.
-                await asyncio.sleep(0)
+                # Several passes of the event loop: a request handled in stages (an HTTP call
+                # read, parsed, dispatched) gets through them between two steps, not one a step.
+                for _ in range(PASSES_BETWEEN_STEPS):
+                    await asyncio.sleep(0)
                 if self.gather is not None:
                     await self.gather()
         except Exception as exc:  # handed to every waiting caller, who raise it
