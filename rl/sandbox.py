@@ -32,9 +32,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import rl
-from rl.config import Config, SandboxConfig
+from rl.config import SandboxConfig
 from rl.isolation import Isolation, Limits, Spec
-from rl.user_code import parse_file_ref
 
 STARTUP_TIMEOUT_S = 120.0  # a worker imports its user code's modules (sympy for `math`) at start
 CAUSE_CHARS = 500  # error messages are cut: they travel through a pipe and into logs
@@ -181,30 +180,6 @@ def probe() -> Isolation:
     worker = start_worker("rl.sandbox", clean_env(()), 0, os.devnull)
     worker.kill()
     return worker.isolation
-
-
-def isolation_report(cfg: Config) -> str:
-    """What `rl train` prints at start and `--dry-run` prints: the isolation of the sandboxes
-    that run users' code (probed on this machine) and each pool's limits. Raises
-    SandboxRefused as `probe` does."""
-    pools = [f"reward functions ({cfg.reward.num_processes} workers, {cfg.reward.memory_mb} MiB)"]
-    if cfg.agent.enabled:
-        from rl.agents.agent_pool import agent_function
-
-        agent = cfg.agent
-        function = agent_function(agent.environment) is not None
-        if function:  # its tools run in its own sandbox
-            pools.append(
-                f"the agent function ({agent.env_workers} workers, {agent.env_memory_mb} MiB, "
-                "reaching only its endpoint)"
-            )
-        else:
-            pools.append(f"tool calls ({agent.tool_workers} workers, {agent.tool_memory_mb} MiB)")
-        if not function and parse_file_ref(agent.environment, "agent.environment"):
-            pools.append(
-                f"the environment ({agent.env_workers} workers, {agent.env_memory_mb} MiB)"
-            )
-    return f"sandbox for {', '.join(pools)}: {probe().summary()}"
 
 
 def stop_workers(workers: Sequence[WorkerProcess], grace_s: float = 2.0) -> None:

@@ -14,7 +14,6 @@ from functools import partial
 from rl.types import Sample, SamplingParams
 from rollout.engines.contract import RolloutEngine
 
-
 PASSES_BETWEEN_STEPS = 4
 
 

@@ -1,5 +1,6 @@
-"""Agent functions (`agent.environment: openai:path/to/file.py:function`) in sandboxed worker
-processes (rl.agents.agent_worker), for one rollout worker's event loop.
+"""Agent functions (`agent.environment: openai:path/to/file.py:function`, or `verifiers:<env>`,
+whose episodes rl.agents.verifiers_agent.run runs) in sandboxed worker processes
+(rl.agents.agent_worker), for one rollout worker's event loop.
 
 `AgentPool.run(example, key, seed)` runs one episode's agent and returns its `Outcome`; many
 run at once, spread over `agent.env_workers` workers (each forks a process per episode).
@@ -15,16 +16,22 @@ import os
 from dataclasses import dataclass
 from itertools import count
 
+from rl.agents.ecosystem import verifiers_env
 from rl.config import AgentConfig
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 from rl.user_code import parse_file_ref
 
 API_PREFIX = "openai:"
 MAX_MESSAGE_BYTES = 1 << 20
+VERIFIERS_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifiers_agent.py")
 
 
 def agent_function(environment: str) -> tuple[str, str] | None:
-    """(path, function) of `openai:path/to/file.py:function`; None for another environment."""
+    """(path, function) of `openai:path/to/file.py:function`, or of the built-in agent function
+    that runs a `verifiers:<env>` environment's episodes (rl.agents.verifiers_agent.run);
+    None for another environment."""
+    if verifiers_env(environment) is not None:
+        return VERIFIERS_AGENT, "run"
     if not environment.startswith(API_PREFIX):
         return None
     ref = environment[len(API_PREFIX) :]
@@ -66,10 +73,14 @@ class AgentPool:
             "ref": f"{os.path.abspath(path)}:{name}",
             "socket": socket,
             "model": model,
+            "environment": cfg.environment,
         }
-        self._read = [os.path.abspath(path), os.path.dirname(socket)]
+        # A local verifiers environment's package is imported from its folder.
+        env = verifiers_env(cfg.environment)
+        python_path = [] if env is None else env.python_path
+        self._read = [os.path.abspath(path), os.path.dirname(socket), *python_path]
         self._cfg, self._log_file = cfg, log_file
-        self._env = clean_env(())
+        self._env = clean_env((), python_path)
         self._ids = count()
         self._workers: list[_Worker] = []
         try:

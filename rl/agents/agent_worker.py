@@ -235,6 +235,12 @@ def main(fd: int) -> None:
     settings = json.loads(conn.recv_bytes())
     try:
         fn = load_agent(settings["ref"])
+        # A built-in agent function (rl.agents.verifiers_agent.run) imports the environment it
+        # runs here, once, rather than in every episode's fork; one that cannot be imported
+        # fails the worker's start, naming it.
+        prepare = getattr(fn, "prepare", None)
+        if callable(prepare) and settings.get("environment"):
+            prepare(settings["environment"])
         port = start_forwarder(settings["socket"])
     except Exception as e:
         conn.send_bytes(json.dumps({"failed": describe(e)}).encode())

@@ -83,6 +83,12 @@ def _check_lora(cfg: Config, path: Path | str) -> None:
 
 def _check_agent(cfg: Config, path: Path | str) -> None:
     agent = cfg.agent
+    from rl.agents.ecosystem import check_pairing
+
+    try:
+        check_pairing(agent.environment, cfg.data.task, bool(cfg.data.train_files))
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     if not agent.enabled:
         return
     from rl.agents.environment import check_environment
@@ -388,11 +394,12 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
     from rl.algorithms.kl import KL_ESTIMATORS
     from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
     from rl.algorithms.policy_losses import POLICY_LOSSES
-    from rl.data.tasks import TASKS
+    from rl.data.tasks import TASKS, get_task
     from rollout.engines.registry import ENGINES
 
     for key, value, registry in (
-        ("data.task", cfg.data.task, TASKS),
+        # A family's task, "family:member", is checked as a whole below.
+        ("data.task", cfg.data.task.partition(":")[0], TASKS),
         ("rollout.engine", cfg.rollout.engine, ENGINES),
         ("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES),
         ("algorithm.policy_loss", cfg.algorithm.policy_loss, POLICY_LOSSES),
@@ -404,3 +411,7 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
             raise ConfigError(
                 f"{path}: {key}={value!r} is not one of {', '.join(registry.names())}"
             )
+    try:
+        get_task(cfg.data.task).check(cfg.data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -290,7 +290,8 @@ def dry_run_report(cfg: Config, path: Path | str, device_memory_gb: float | None
     """
     from rl.cluster.memory_plan import memory_report
     from rl.cluster.placement import plan_placement
-    from rl.sandbox import SandboxRefused, configure, isolation_report
+    from rl.sandbox import SandboxRefused, configure
+    from rl.sandbox_report import isolation_report
 
     try:
         check_inputs(cfg, path)

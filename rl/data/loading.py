@@ -43,7 +43,8 @@ def split_dir(cfg: DataConfig) -> Path:
     params |= {"num_train": cfg.num_train, "num_test": cfg.num_test}
     params |= {field: getattr(cfg, field) for field in task.param_fields}
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
-    return Path(cfg.dir) / f"{task.name}-{digest}"
+    # A family's task name has a colon (reasoning_gym:chain_sum), which paths had better not.
+    return Path(cfg.dir) / f"{task.name.replace(':', '-')}-{digest}"
 
 
 def _draw_distinct(
@@ -61,7 +62,7 @@ def _draw_distinct(
     raise ValueError(
         f"task {task.name!r} produced only {len(seen)} distinct prompts, fewer than "
         f"data.num_train + data.num_test = {cfg.num_train + cfg.num_test}: lower them or "
-        "make the task larger (data.num_digits / data.num_operands)"
+        "make the task larger (data.num_digits / data.num_operands / data.task_config)"
     )
 
 

@@ -56,7 +56,7 @@ from rl.run.preemption import StopRequest
 from rl.run.scheduler.loop import Scheduler, Settings
 from rl.run.scheduler.prompt_groups import InFlight
 from rl.sandbox import configure as configure_sandbox
-from rl.sandbox import isolation_report
+from rl.sandbox_report import isolation_report
 from rl.sync.weight_sync import WeightSync
 from rl.types import Sample, SamplingParams
 

@@ -17,9 +17,13 @@ def evaluate(
     cfg: Config,
 ) -> float:
     """Fraction of `examples` whose greedy (temperature 0) response the task verifier accepts
-    (an agent's: the last assistant message of its greedy episode)."""
+    (an agent's: the last assistant message of its greedy episode); for a task that
+    `scores_episodes`, the mean reward of the greedy episodes."""
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     samples = [s for i, example in enumerate(examples) for s in groups.start(example, i, 1)]
     samples = rollout.generate(samples, greedy)
-    scores = [task.score(s.response_text, examples[s.group_id]) for s in samples]
+    if task.scores_episodes:
+        scores = [0.0 if s.episode is None else s.episode.reward for s in samples]
+    else:
+        scores = [task.score(s.response_text, examples[s.group_id]) for s in samples]
     return sum(scores) / len(scores)

@@ -4,12 +4,21 @@ is imported (rl.data.tasks imports them all)."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import ClassVar
 
 from rl.config import DataConfig
 from rl.config.registry import Registry
 
-TASKS: Registry = Registry("task")
+
+@dataclass(frozen=True)
+class TaskTraits:
+    # The registered name is a family's prefix: its tasks are named "<prefix>:<member>"
+    # (reasoning_gym:chain_sum) and its class is built with the member.
+    family: bool = False
+
+
+TASKS: Registry = Registry("task", TaskTraits)
 
 
 class Task:
@@ -20,6 +29,17 @@ class Task:
     param_fields: ClassVar[tuple[str, ...]] = ()
     # True when examples come only from data.train_files/test_files (nothing to generate).
     needs_files: ClassVar[bool] = False
+    # True when only a whole episode can be scored (an ecosystem environment's rubric, which
+    # its agent function returns as the episode's reward): evaluation reads that reward.
+    scores_episodes: ClassVar[bool] = False
+
+    def check(self, cfg: DataConfig) -> None:
+        """Before any work: ValueError naming the data.* key that this task cannot use."""
+        if cfg.task_config and "task_config" not in self.param_fields:
+            raise ValueError(
+                f"data.task_config is set but data.task={self.name} takes none (it configures "
+                "reasoning_gym:<dataset> tasks)"
+            )
 
     def generate(self, cfg: DataConfig, num: int, rng: random.Random) -> list[dict]:
         """`num` examples drawn with `rng` (duplicates possible; splits dedupe by prompt)."""

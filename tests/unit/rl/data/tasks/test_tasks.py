@@ -12,8 +12,17 @@ from rl.data.tasks.countdown import evaluate_expression
 
 
 def test_registry_lists_valid_names() -> None:
-    assert TASKS.names() == ["addition", "countdown", "math", "repeat"]
-    with pytest.raises(ValueError, match="addition, countdown, math, repeat"):
+    assert TASKS.names() == [
+        "addition",
+        "countdown",
+        "math",
+        "reasoning_gym",
+        "repeat",
+        "verifiers",
+    ]
+    with pytest.raises(
+        ValueError, match="addition, countdown, math, reasoning_gym, repeat, verifiers"
+    ):
         get_task("subtraction")
 
 
