@@ -23,7 +23,6 @@ from tests.helpers.agent_engines import (
     ROLLOUT,
     TEMPERATURE,
     Engines,
-    build_checkpoint,
     parity_gap,
 )
 from tests.helpers.processes import child_pids
@@ -41,20 +40,6 @@ def _agent(function: str, **overrides) -> AgentConfig:
     return AgentConfig(
         environment=f"openai:{AGENTS}:{function}", max_turns=TURNS, env_workers=2, **overrides
     )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("api-agent-model") / "untied", tied=False)
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir: Path) -> Iterator[Engines]:
-    made = Engines({"untied": model_dir})
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ from rl.config import AgentConfig
 from rl.types import Episode, Sample, SamplingParams
 from rollout.api_agent_loop import ApiAgentLoop
 from rollout.engine_loop import GenerationLoop
-from tests.helpers.agent_engines import ROLLOUT, TEMPERATURE, Engines, build_checkpoint
+from tests.helpers.agent_engines import ROLLOUT, TEMPERATURE, Engines
 from tests.helpers.processes import child_pids
 from tests.helpers.waiting import wait_until
 
@@ -38,20 +38,6 @@ def rubric(replies: list[str], word: str) -> float:
     the first reply, plus 1 when the last reply holds the word."""
     first = len(set(word) & set(replies[0].lower())) / len(set(word))
     return 0.5 * first + float(word in replies[-1].lower())
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("verifiers-model") / "untied", tied=False)
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir: Path) -> Iterator[Engines]:
-    made = Engines({"untied": model_dir})
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
