@@ -106,7 +106,7 @@ class AgentPool:
 
     def close(self) -> None:
         """Stop the workers and every episode they run."""
-        loop = asyncio.get_event_loop()
+        loop = asyncio.get_running_loop()
         workers, self._workers = self._workers, []
         for worker in workers:
             loop.remove_reader(worker.process.conn.fileno())
@@ -141,7 +141,7 @@ class AgentPool:
     def _add(self, process: WorkerProcess) -> None:
         worker = _Worker(process, {})
         self._workers.append(worker)
-        asyncio.get_event_loop().add_reader(process.conn.fileno(), self._receive, worker)
+        asyncio.get_running_loop().add_reader(process.conn.fileno(), self._receive, worker)
 
     def _receive(self, worker: _Worker) -> None:
         try:
@@ -161,7 +161,7 @@ class AgentPool:
 
     def _lost(self, worker: _Worker) -> None:
         """`worker` died: its episodes crashed; a new worker takes its place."""
-        asyncio.get_event_loop().remove_reader(worker.process.conn.fileno())
+        asyncio.get_running_loop().remove_reader(worker.process.conn.fileno())
         self._workers.remove(worker)
         for done in worker.running.values():
             if not done.done():
