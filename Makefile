@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) (first run: about 3 minutes)"
 	@start=$$(date +%s); \
 	python3 -m venv $(VENV) && \
-	$(PY) -m pip install -q -e ".[dev,$(ENGINE),verifiers,reasoning-gym]" && \
+	$(PY) -m pip install -q -e ".[dev,$(ENGINE),verifiers,reasoning-gym,openenv]" && \
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec && \
 	touch $(STAMP) && \
 	echo "set-up took $$(( $$(date +%s) - start )) s"

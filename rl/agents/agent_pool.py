@@ -1,6 +1,7 @@
-"""Agent functions (`agent.environment: openai:path/to/file.py:function`, or `verifiers:<env>`,
-whose episodes rl.agents.verifiers_agent.run runs) in sandboxed worker processes
-(rl.agents.agent_worker), for one rollout worker's event loop.
+"""Agent functions (`agent.environment: openai:path/to/file.py:function`, or an ecosystem's
+`verifiers:<env>` / `openenv:<env>`, whose episodes its built-in agent function runs,
+rl.agents.ecosystem) in sandboxed worker processes (rl.agents.agent_worker), for one rollout
+worker's event loop.
 
 `AgentPool.run(example, key, seed)` runs one episode's agent and returns its `Outcome`; many
 run at once, spread over `agent.env_workers` workers (each forks a process per episode).
@@ -16,22 +17,22 @@ import os
 from dataclasses import dataclass
 from itertools import count
 
-from rl.agents.ecosystem import verifiers_env
+from rl.agents.ecosystem import ecosystem_env
 from rl.config import AgentConfig
 from rl.sandbox import STARTUP_TIMEOUT_S, WorkerProcess, clean_env, start_worker, stop_workers
 from rl.user_code import parse_file_ref
 
 API_PREFIX = "openai:"
 MAX_MESSAGE_BYTES = 1 << 20
-VERIFIERS_AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifiers_agent.py")
 
 
 def agent_function(environment: str) -> tuple[str, str] | None:
     """(path, function) of `openai:path/to/file.py:function`, or of the built-in agent function
-    that runs a `verifiers:<env>` environment's episodes (rl.agents.verifiers_agent.run);
-    None for another environment."""
-    if verifiers_env(environment) is not None:
-        return VERIFIERS_AGENT, "run"
+    that runs an ecosystem environment's episodes (`verifiers:<env>`, `openenv:<env>`); None
+    for another environment."""
+    env = ecosystem_env(environment)
+    if env is not None:
+        return env.source.agent_file, "run"
     if not environment.startswith(API_PREFIX):
         return None
     ref = environment[len(API_PREFIX) :]
@@ -75,8 +76,8 @@ class AgentPool:
             "model": model,
             "environment": cfg.environment,
         }
-        # A local verifiers environment's package is imported from its folder.
-        env = verifiers_env(cfg.environment)
+        # A local ecosystem environment's package is imported from its folder.
+        env = ecosystem_env(cfg.environment)
         python_path = [] if env is None else env.python_path
         self._read = [os.path.abspath(path), os.path.dirname(socket), *python_path]
         self._cfg, self._log_file = cfg, log_file

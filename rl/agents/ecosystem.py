@@ -1,13 +1,13 @@
-"""Environments from the ecosystem, on the driver's side: `agent.environment: verifiers:<env>`
-(prime-rl's `verifiers` package) names one, and `data.task: verifiers:<env>` its tasks as the
-run's data (rl.data.tasks.verifiers_env).
+"""Environments from the ecosystem, on the driver's side: `agent.environment: <source>:<env>`
+names one and `data.task: <source>:<env>` its tasks as the run's data, for each `Source` in
+`SOURCES`: prime-rl's `verifiers` (rl.agents.verifiers_agent, rl.data.tasks.verifiers_env) and
+Meta's OpenEnv (rl.agents.openenv_agent, rl.data.tasks.openenv_env).
 
-`<env>` is an installed environment's id (a package named after it, as verifiers installs
-them) or the path of a local environment package, `path/to/<id>` (a folder, or `<id>.py`),
-whose parent folder goes onto the sandbox's PYTHONPATH. Nothing here imports the environment
-or the package: their code runs only in sandboxed workers, the agent workers
-(rl.agents.verifiers_agent.run, an agent function) and a row worker that brings the
-environment's tasks back as JSON (`load_rows`).
+`<env>` is an installed environment's package name or the path of a local environment package,
+`path/to/<id>` (a folder; for verifiers also `<id>.py`), whose parent folder goes onto the
+sandbox's PYTHONPATH. Nothing here imports the environment or its source's package: their code
+runs only in sandboxed workers, the agent workers (each source's built-in agent function) and,
+for verifiers, a row worker that brings the environment's tasks back as JSON (`load_rows`).
 """
 
 from __future__ import annotations
@@ -21,20 +21,56 @@ from pathlib import Path
 
 from rl.sandbox import STARTUP_TIMEOUT_S, clean_env, start_worker, stop_workers
 
-VERIFIERS_PREFIX = "verifiers:"
-VERIFIERS_FIELD = "verifiers"  # an example's field: its environment and task, as JSON
-VERIFIERS_INSTALL = "pip install -e .[verifiers]"
-AGENT_MODULE = "rl.agents.verifiers_agent"
+AGENTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Source:
+    """An ecosystem whose environments Tandem runs as episodes, named `<prefix><env>`."""
+
+    prefix: str  # "verifiers:"
+    package: str  # the module its environments need installed
+    install: str  # how to install it
+    agent_module: str  # the built-in agent function's module: its `run` plays an episode
+    field: str  # an example's field: what its episode needs, as JSON
+    file_env: bool  # whether a local environment may be a single `<id>.py`
+
+    @property
+    def agent_file(self) -> str:
+        return os.path.join(AGENTS_DIR, self.agent_module.rsplit(".", 1)[1] + ".py")
+
+
+VERIFIERS = Source(
+    "verifiers:",
+    "verifiers",
+    "pip install -e .[verifiers]",
+    "rl.agents.verifiers_agent",
+    "verifiers",
+    file_env=True,
+)
+OPENENV = Source(
+    "openenv:",
+    "openenv",
+    "pip install -e .[openenv]",
+    "rl.agents.openenv_agent",
+    "openenv",
+    file_env=False,
+)
+SOURCES = (VERIFIERS, OPENENV)
+VERIFIERS_PREFIX = VERIFIERS.prefix
+VERIFIERS_FIELD = VERIFIERS.field
 ROW_WORKER_MEMORY_MB = 4096
 ROWS_TIMEOUT_S = 300.0  # loading a taskset may read a dataset
 MAX_ROWS_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
-class VerifiersEnv:
-    """A `verifiers:<env>` name: the environment's id and, for a local one, its folder."""
+class EcosystemEnv:
+    """A `<source>:<env>` name: its source, the environment's id and, for a local one, its
+    folder."""
 
-    name: str  # as written, `verifiers:<env>`
+    source: Source
+    name: str  # as written, `<source>:<env>`
     env_id: str
     local_root: str | None = None  # the folder that holds the local package, absolute
 
@@ -43,37 +79,45 @@ class VerifiersEnv:
         return [] if self.local_root is None else [self.local_root]
 
 
+def source_of(name: str) -> Source | None:
+    """The source whose prefix `name` carries; None for a name of another kind."""
+    return next((s for s in SOURCES if name.startswith(s.prefix)), None)
+
+
 def env_id_of(name: str) -> str:
-    """The environment id in `verifiers:<env>` (a local one's folder or file name), read
+    """The environment id in `<source>:<env>` (a local one's folder or file name), read
     without looking at the filesystem (a sandbox's working directory is not the driver's)."""
-    spec = name.removeprefix(VERIFIERS_PREFIX).strip().rstrip("/" + os.sep)
+    source = source_of(name)
+    assert source is not None, f"not an ecosystem environment: {name!r}"
+    spec = name.removeprefix(source.prefix).strip().rstrip("/" + os.sep)
     return Path(spec).stem if "/" in spec or os.sep in spec else spec
 
 
-def verifiers_env(name: str, key: str = "agent.environment") -> VerifiersEnv | None:
-    """The environment `name` (`verifiers:<env>`) names; None for a name of another kind;
-    ValueError naming `key` when it cannot be one, or the package is not installed."""
-    if not name.startswith(VERIFIERS_PREFIX):
+def ecosystem_env(name: str, key: str = "agent.environment") -> EcosystemEnv | None:
+    """The environment `name` (`<source>:<env>`) names; None for a name of another kind;
+    ValueError naming `key` when it cannot be one, or its source's package is not
+    installed."""
+    source = source_of(name)
+    if source is None:
         return None
-    spec = name[len(VERIFIERS_PREFIX) :].strip()
+    spec = name[len(source.prefix) :].strip()
     if not spec:
-        raise ValueError(f"{key}={name!r}: name the environment, 'verifiers:<env id>'")
-    if importlib.util.find_spec("verifiers") is None:  # locates it; runs none of its code
-        raise ValueError(f"{key}={name!r} needs the verifiers package: {VERIFIERS_INSTALL}")
+        raise ValueError(f"{key}={name!r}: name the environment, '{source.prefix}<env>'")
+    if importlib.util.find_spec(source.package) is None:  # locates it; runs none of its code
+        raise ValueError(f"{key}={name!r} needs the {source.package} package: {source.install}")
     if "/" not in spec and os.sep not in spec:
-        return VerifiersEnv(name, spec)
+        return EcosystemEnv(source, name, spec)
     path = Path(spec)
-    if not (path.is_dir() and (path / "__init__.py").is_file()) and not (
-        path.suffix == ".py" and path.is_file()
-    ):
-        raise ValueError(
-            f"{key}={name!r}: {spec!r} is not a local environment (a package folder with an "
-            "__init__.py, or a .py file)"
+    folder = path.is_dir() and (path / "__init__.py").is_file()
+    if not folder and not (source.file_env and path.suffix == ".py" and path.is_file()):
+        kinds = "a package folder with an __init__.py" + (
+            ", or a .py file" if source.file_env else ""
         )
-    return VerifiersEnv(name, path.stem, str(path.resolve().parent))
+        raise ValueError(f"{key}={name!r}: {spec!r} is not a local environment ({kinds})")
+    return EcosystemEnv(source, name, path.stem, str(path.resolve().parent))
 
 
-def example_fields(env: VerifiersEnv, config: dict, task: dict) -> dict:
+def example_fields(env: EcosystemEnv, config: dict, task: dict) -> dict:
     """An example of `env`'s `task` (its wire data): the prompt's text (unique among a split's
     prompts once `load_rows` has made it so), the task's `answer` when it has one, and what
     the agent function needs to run it."""
@@ -90,13 +134,13 @@ def example_fields(env: VerifiersEnv, config: dict, task: dict) -> dict:
 
 
 def load_rows(
-    env: VerifiersEnv, config: dict, count: int, seed: int, key: str = "data.task"
+    env: EcosystemEnv, config: dict, count: int, seed: int, key: str = "data.task"
 ) -> list[dict]:
     """Up to `count` of `env`'s tasks (shuffled with `seed` when its taskset is finite) as
     examples, made in a sandboxed worker; ValueError naming `key` when the environment cannot
     make them. Prompts that read alike are told apart (`distinct_prompts`)."""
     worker = start_worker(
-        AGENT_MODULE,
+        VERIFIERS.agent_module,
         clean_env((), env.python_path),
         ROW_WORKER_MEMORY_MB,
         None,
@@ -118,7 +162,7 @@ def load_rows(
     return distinct_prompts(env, [example_fields(env, config, task) for task in reply["rows"]])
 
 
-def distinct_prompts(env: VerifiersEnv, examples: list[dict]) -> list[dict]:
+def distinct_prompts(env: EcosystemEnv, examples: list[dict]) -> list[dict]:
     """`examples` with each prompt that is blank or not unique among them (a game whose
     opening message is always the same) told apart by its position: the data pipeline keys
     examples by prompt, and the agent function reads the task, not the prompt."""
@@ -130,17 +174,19 @@ def distinct_prompts(env: VerifiersEnv, examples: list[dict]) -> list[dict]:
 
 
 def check_pairing(environment: str, task: str, has_files: bool) -> None:
-    """A verifiers environment's episodes need its tasks' examples and its tasks need its
-    episodes (only its rubric scores them): ValueError naming the key to set otherwise."""
-    env = verifiers_env(environment) if environment else None
-    if task.startswith(VERIFIERS_PREFIX) and (env is None or env.name != task):
+    """An ecosystem environment's episodes need its tasks' examples and its tasks need its
+    episodes (only the environment scores them): ValueError naming the key to set
+    otherwise."""
+    env = ecosystem_env(environment) if environment else None
+    task_source = source_of(task)
+    if task_source is not None and (env is None or env.name != task):
         raise ValueError(
-            f"data.task={task!r}: a verifiers environment's tasks are scored by its rubric in "
-            f"its episodes; set agent.environment={task!r}"
+            f"data.task={task!r}: a {task_source.package} environment's tasks are scored in its "
+            f"episodes; set agent.environment={task!r}"
         )
     if env is not None and not has_files and task != env.name:
         raise ValueError(
             f"agent.environment={environment!r} runs episodes of the environment's own tasks: "
             f"set data.task={environment!r} (or give data.train_files rows with a "
-            f"{VERIFIERS_FIELD!r} field)"
+            f"{env.source.field!r} field)"
         )

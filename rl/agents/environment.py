@@ -99,8 +99,8 @@ class Calculator(ToolUse):
 def check_environment(name: str) -> None:
     """Without running a user's code: `name` is a registered environment, a
     `path/to/file.py:ClassName` or an agent function's `openai:path/to/file.py:function` whose
-    file parses and defines it, or a `verifiers:<env>` (rl.agents.ecosystem) whose package is
-    installed. ValueError naming it."""
+    file parses and defines it, or an ecosystem's `verifiers:<env>` / `openenv:<env>`
+    (rl.agents.ecosystem) whose package is installed. ValueError naming it."""
     what = f"agent.environment {name!r}"
     function = agent_function(name)
     if function is not None:
@@ -112,6 +112,6 @@ def check_environment(name: str) -> None:
     elif name not in ENVIRONMENTS:
         raise ValueError(
             f"{what} is neither a built-in environment ({', '.join(ENVIRONMENTS.names())}), "
-            "'path/to/file.py:ClassName', 'openai:path/to/file.py:function' nor "
-            "'verifiers:<env>'"
+            "'path/to/file.py:ClassName', 'openai:path/to/file.py:function', "
+            "'verifiers:<env>' nor 'openenv:<env>'"
         )

@@ -14,6 +14,7 @@ from rl.data.tasks import (  # noqa: F401
     addition,
     countdown,
     math_answers,
+    openenv_env,
     reasoning_gym,
     repeat,
     verifiers_env,

@@ -38,7 +38,7 @@ class Task:
         if cfg.task_config and "task_config" not in self.param_fields:
             raise ValueError(
                 f"data.task_config is set but data.task={self.name} takes none (it configures "
-                "reasoning_gym:<dataset> tasks)"
+                "reasoning_gym:<dataset>, verifiers:<env> and openenv:<env> tasks)"
             )
 
     def generate(self, cfg: DataConfig, num: int, rng: random.Random) -> list[dict]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from rl.agents.ecosystem import VERIFIERS_PREFIX, VerifiersEnv, load_rows, verifiers_env
+from rl.agents.ecosystem import VERIFIERS_PREFIX, EcosystemEnv, ecosystem_env, load_rows
 from rl.config import DataConfig
 from rl.data.tasks.task import TASKS, Task
 
@@ -38,11 +38,11 @@ class VerifiersTasks(Task):
         self._made: tuple[str, list[dict]] | None = None
         self._next = 0
 
-    def env(self) -> VerifiersEnv:
+    def env(self) -> EcosystemEnv:
         """The environment; ValueError naming data.task when it cannot be one. (Not resolved
         at construction: a reward worker builds the task to score with, from another working
         directory, where a local environment's relative path leads nowhere.)"""
-        env = verifiers_env(self.name, "data.task")
+        env = ecosystem_env(self.name, "data.task")
         assert env is not None
         return env
 

@@ -16,12 +16,13 @@ def test_registry_lists_valid_names() -> None:
         "addition",
         "countdown",
         "math",
+        "openenv",
         "reasoning_gym",
         "repeat",
         "verifiers",
     ]
     with pytest.raises(
-        ValueError, match="addition, countdown, math, reasoning_gym, repeat, verifiers"
+        ValueError, match="addition, countdown, math, openenv, reasoning_gym, repeat, verifiers"
     ):
         get_task("subtraction")
 
