@@ -47,7 +47,16 @@ from trainer.ranks import (
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
-_TOKEN_METRICS = ("pg_loss", "clip_frac", "entropy", "approx_kl_old", "kl_ref", "is_weight")
+_TOKEN_METRICS = (
+    "pg_loss",
+    "clip_frac",
+    "entropy",
+    "approx_kl_old",
+    "kl_ref",
+    "is_weight",
+    "mismatch_k1",
+    "mismatch_k3",
+)
 # Counts a streamed step adds up over its chunks (PolicyTrainer.step_accumulated).
 _SUMMED = ("tokens", "trained_tokens", "skipped_rows", "rows")
 # A streamed step's gradient sum (PolicyTrainer.accumulate_chunk), in units of
@@ -199,6 +208,8 @@ class PolicyTrainer(RoleRank):
             del out["kl_ref"]
         if batch.is_weights is None and self.objective.forward_correction is None:
             del out["is_weight"]
+        if self.objective.forward_correction is None:
+            del out["mismatch_k1"], out["mismatch_k3"]
         out.update(
             loss=sums[-2].item(),
             tokens=sums[-1].item(),

@@ -13,7 +13,7 @@ import torch
 from rl.algorithms.aggregation import LOSS_AGGREGATIONS
 from rl.algorithms.kl import KL_ESTIMATORS
 from rl.algorithms.masked import masked_mean
-from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, proximal_from_forward
+from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, mismatch_kl, proximal_from_forward
 from rl.algorithms.policy_losses import POLICY_LOSSES
 from rl.config import AlgorithmConfig, Config
 from rl.types import Batch
@@ -38,8 +38,9 @@ def kl_in_loss(cfg: AlgorithmConfig) -> bool:
 def zero_advantage_rows_are_inert(cfg: AlgorithmConfig) -> bool:
     """Whether a row whose advantage is 0 on every token has a loss and gradient of exactly 0.
 
-    Every policy loss is the advantage times a finite function of the ratio (a test pins this
-    over the registry), and an off-policy weight only scales it; a KL or entropy term does not.
+    Every policy loss is the advantage times a finite function of the log-probs (a test pins
+    this over the registry), and an off-policy weight only scales it; a KL or entropy term
+    does not.
     """
     return not kl_in_loss(cfg) and cfg.entropy_coef == 0
 
@@ -84,6 +85,12 @@ def policy_objective(
     }
     if is_weights is not None:
         metrics["is_weight"] = masked_mean(is_weights, mask)
+    if forward_correction is not None:
+        # On this path no other pass computes the trainer's proximal log-probs; a separate
+        # proximal pass reports the same as off_policy/* (rl.run.experience.prepare_batch).
+        k1, k3 = mismatch_kl(old_logprobs, batch.behaviour_logprobs)
+        metrics["mismatch_k1"] = masked_mean(k1, mask)
+        metrics["mismatch_k3"] = masked_mean(k3, mask)
     if kl_in_loss(cfg):
         assert batch.ref_logprobs is not None, "a KL loss term needs reference log-probs"
         kl = KL_ESTIMATORS.get(cfg.kl_estimator)(logprobs, batch.ref_logprobs)

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from rl.algorithms.masked import clamped_exp
+from rl.algorithms.kl import kl_k1, kl_k3
+from rl.algorithms.masked import clamped_exp, masked_mean
 from rl.config import AlgorithmConfig, Config
 from rl.config.registry import Registry
 
@@ -57,14 +59,62 @@ def recomputes_old_logprobs(cfg: Config) -> bool:
     )
 
 
+def mismatch_kl(proximal_logprobs: Tensor, behaviour_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token estimates of KL(engine || trainer) on tokens the engine sampled [B, T1]:
+    k1 = behav - prox and Schulman's k3 = exp(d) - 1 - d with d = prox - behav (>= 0)."""
+    proximal, behaviour = proximal_logprobs.detach(), behaviour_logprobs.detach()
+    return kl_k1(behaviour, proximal), kl_k3(behaviour, proximal)
+
+
+def mismatch_metrics(
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    kept: Tensor,
+    ages: Tensor | None,
+) -> dict[str, float]:
+    """The step's off_policy/* metrics: the engine's against the trainer's log-probs on the
+    response tokens of `mask` [B, T1] (mismatch_k1, mismatch_k3: `mismatch_kl`'s means), and
+    what the correction kept of them, `kept` [B, T1] (kept_token_frac; kept_seq_frac: the
+    share of non-empty rows it dropped no token of). With `ages` [B] (each row's versions
+    behind the trained policy), each again per age as `<key>_age<a>`: under overlap a step
+    mixes versions, and the mismatch of a stale row includes the policy's own change."""
+    k1, k3 = mismatch_kl(proximal_logprobs, behaviour_logprobs)
+    groups = {"": torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)}
+    if ages is not None:
+        groups |= {f"_age{age}": ages == age for age in sorted(set(ages.tolist()))}
+    metrics = {}
+    for suffix, rows in groups.items():
+        row_mask, row_kept = mask[rows], kept[rows]
+        lengths = row_mask.sum(dim=1)
+        whole = (row_kept.sum(dim=1) == lengths) & (lengths > 0)
+        metrics |= {
+            f"off_policy/mismatch_k1{suffix}": masked_mean(k1[rows], row_mask).item(),
+            f"off_policy/mismatch_k3{suffix}": masked_mean(k3[rows], row_mask).item(),
+            f"off_policy/kept_token_frac{suffix}": (
+                row_kept.sum() / lengths.sum().clamp(min=1.0)
+            ).item(),
+            f"off_policy/kept_seq_frac{suffix}": (
+                whole.sum() / (lengths > 0).sum().clamp(min=1)
+            ).item(),
+        }
+    return metrics
+
+
 def _log_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
     return (proximal - behaviour).detach() * mask
 
 
+def _within(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """(ratio, the mask kept): tokens (log_ratio [B, T1]) or sequences ([B, 1]) whose ratio
+    exp(log_ratio) is in [low, high]."""
+    ratio = clamped_exp(log_ratio)
+    return ratio, mask * ((ratio >= low) & (ratio <= high))
+
+
 def _masked_is(log_ratio: Tensor, mask: Tensor, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Keep tokens (log_ratio [B, T1]) or sequences ([B, 1]) whose ratio is in [is_low, is_high]."""
-    ratio = clamped_exp(log_ratio)
-    keep = mask * ((ratio >= cfg.is_low) & (ratio <= cfg.is_high))
+    ratio, keep = _within(log_ratio, mask, cfg.is_low, cfg.is_high)
     return ratio * keep, keep
 
 
@@ -86,12 +136,15 @@ def token_tis(
     return ratio.clamp(max=cfg.is_cap) * mask, mask
 
 
+# IcePop (Ring-1T) is this correction under its paper's name: M(r; alpha, beta) = r inside
+# [alpha, beta] = [is_low, is_high], else 0 and the token leaves the loss.
+@OFF_POLICY_CORRECTIONS.register("icepop", keeps_mask=False)
 @OFF_POLICY_CORRECTIONS.register("token-mis", keeps_mask=False)
 def token_mis(
     proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cfg: AlgorithmConfig
 ) -> tuple[Tensor, Tensor]:
-    """Masked IS per token: r = exp(prox - behav); tokens with r outside [is_low, is_high] leave
-    the mask, the kept ones get w = r. Returns (w, mask), both [B, T1]."""
+    """Masked IS per token (IcePop): r = exp(prox - behav); tokens with r outside [is_low,
+    is_high] leave the mask, the kept ones get w = r. Returns (w, mask), both [B, T1]."""
     return _masked_is(_log_ratio(proximal_logprobs, behaviour_logprobs, mask), mask, cfg)
 
 
@@ -114,6 +167,20 @@ def seq_mis(
     [is_low, is_high] leave the mask whole, the kept ones get w = r_i. Returns (w, mask) [B, T1]."""
     log_ratio = _log_ratio(proximal_logprobs, behaviour_logprobs, mask).sum(dim=1, keepdim=True)
     return _masked_is(log_ratio, mask, cfg)
+
+
+@OFF_POLICY_CORRECTIONS.register("geo-rs", keeps_mask=False)
+def geo_rs(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cfg: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """Geometric-mean rejection per sequence: g_i = exp(mean_t (prox - behav)) over i's
+    response; sequences with g_i outside [geo_low, geo_high] leave the mask whole, the kept ones
+    get w = 1 (a filter, no reweighting; the mean keeps the band independent of length).
+    Returns (w, mask), both [B, T1]."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    log_ratio = _log_ratio(proximal_logprobs, behaviour_logprobs, mask).sum(dim=1, keepdim=True)
+    _, keep = _within(log_ratio / lengths, mask, cfg.geo_low, cfg.geo_high)
+    return keep.clone(), keep
 
 
 @OFF_POLICY_CORRECTIONS.register("decoupled")

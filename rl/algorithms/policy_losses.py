@@ -72,3 +72,19 @@ def gspo_surrogate(
     seq_log_ratio = seq_log_ratio.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     loss, active = _clip(torch.exp(seq_log_ratio + logprobs - logprobs.detach()), advantages, cfg)
     return loss * mask, active.float() * mask
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): loss = -sg[clip(r, 1 - clip_low, 1 + clip_high)]
+    A logprobs, r = exp(logprobs - old_logprobs).
+
+    The clip bounds the importance weight, not the update: the weight is detached, so every
+    token's gradient -clip(r) A flows through its log-prob and none is zeroed as PPO's clip
+    zeroes it. All [B, T1] -> (loss, clipped: 1.0 where a bound set the weight).
+    """
+    ratio = clamped_exp(logprobs - old_logprobs).detach()
+    weight = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return -weight * advantages * logprobs * mask, (weight != ratio).float() * mask

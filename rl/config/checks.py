@@ -327,6 +327,14 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
         raise ConfigError(
             f"{path}: algorithm.dual_clip must be 0 (off) or > 1, got {algo.dual_clip}"
         )
+    for low_key, high_key in (("is_low", "is_high"), ("geo_low", "geo_high")):
+        low, high = getattr(algo, low_key), getattr(algo, high_key)
+        if not 0 <= low <= 1 <= high:
+            # A band that excludes 1 would drop tokens whose engine and trainer agree exactly.
+            raise ConfigError(
+                f"{path}: algorithm.{low_key}={low} and algorithm.{high_key}={high} must "
+                f"bracket 1: 0 <= {low_key} <= 1 <= {high_key}"
+            )
     if algo.kl_target > 0 and not (algo.kl_in_reward and algo.kl_coef > 0):
         raise ConfigError(
             f"{path}: algorithm.kl_target adapts the KL reward penalty; it needs "

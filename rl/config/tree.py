@@ -585,9 +585,15 @@ class AlgorithmConfig(Section):
         True, description="gae: normalise advantages over the batch's valid tokens."
     )
     policy_loss: str = Field("clipped", description="Policy loss from rl.algorithms.policy_losses.")
-    clip_low: float = Field(0.2, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
+    clip_low: float = Field(
+        0.2,
+        description="PPO ratio clip below 1 (ratio >= 1 - clip_low); cispo: its IS weight's "
+        "lower bound (>= 1: none, as MiniMax-M1).",
+    )
     clip_high: float = Field(
-        0.2, description="PPO ratio clip above 1 (clip-higher, DAPO, when > clip_low)."
+        0.2,
+        description="PPO ratio clip above 1 (clip-higher, DAPO, when > clip_low); cispo: its IS "
+        "weight's upper bound 1 + clip_high.",
     )
     dual_clip: float = Field(
         0.0,
@@ -622,6 +628,14 @@ class AlgorithmConfig(Section):
     is_low: float = Field(0.5, description="Masked IS: tokens/sequences with weight below dropped.")
     is_high: float = Field(
         2.0, description="Masked IS: tokens/sequences with weight above dropped."
+    )
+    geo_low: float = Field(
+        0.999,
+        description="geo-rs: sequences whose geometric-mean weight exp(mean_t log w_t) is below "
+        "this are dropped.",
+    )
+    geo_high: float = Field(
+        1.001, description="geo-rs: sequences whose geometric-mean weight is above this dropped."
     )
     recompute_old_logprobs: bool = Field(
         False,

@@ -22,6 +22,7 @@ from rl.algorithms.kl import KL_ESTIMATORS, adaptive_kl_coef
 from rl.algorithms.masked import at_last_token, masked_mean
 from rl.algorithms.off_policy import (
     OFF_POLICY_CORRECTIONS,
+    mismatch_metrics,
     proximal_from_forward,
     recomputes_old_logprobs,
 )
@@ -137,10 +138,12 @@ def prepare_batch(
     scores: list[float],
     pad_id: int,
     kl_coef: float,
+    step: int | None = None,
 ) -> tuple[Batch, Batch, dict[str, float]]:
     """The training batches of annotated `samples` with sequence rewards `scores` [B]: KL
     penalty (at `kl_coef`, KLController's for the step: "kl/reward_penalty" is what it adapts
-    to), advantages, then off-policy weights (measured from the proximal log-probs).
+    to), advantages, then off-policy weights (measured from the proximal log-probs). With the
+    `step` that trains them, the mismatch metrics are also given per sample age.
 
     Returns the policy's batch, the critic's and metrics. They differ only in what the
     off-policy correction changes: the critic's batch keeps every response token in its loss
@@ -178,8 +181,15 @@ def prepare_batch(
             batch.old_logprobs, batch.behaviour_logprobs, mask, algo
         )
         batch = dataclasses.replace(batch, is_weights=is_weights, loss_mask=loss_mask)
-        metrics["off_policy/kept_token_frac"] = (loss_mask.sum() / mask.sum()).item()
         metrics["off_policy/weight_mean"] = masked_mean(is_weights, loss_mask).item()
+    if recomputes_old_logprobs(cfg):
+        rows = with_segments(samples)[: batch.num_sequences]  # the batch's rows, in order
+        ages = None if step is None else torch.tensor([step - 1 - s.policy_version for s in rows])
+        metrics.update(
+            mismatch_metrics(
+                batch.old_logprobs, batch.behaviour_logprobs, mask, batch.loss_mask, ages
+            )
+        )
     return batch, critic_batch, metrics
 
 
@@ -233,13 +243,13 @@ class TrainerSide:
         )
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        return self._thread.submit(self._train, samples, scores, streamed=False)
+        return self._thread.submit(self._train, step, samples, scores, streamed=False)
 
     def stream(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
         return self._thread.submit(self._stream, samples, scores)
 
     def finish(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
-        return self._thread.submit(self._train, samples, scores, streamed=True)
+        return self._thread.submit(self._train, step, samples, scores, streamed=True)
 
     def _stream(self, samples: list[Sample], scores: list[float]) -> list[Sample]:
         """One chunk of a streamed step's groups: annotated at the weights the step starts from
@@ -253,7 +263,7 @@ class TrainerSide:
         return samples
 
     def _train(
-        self, samples: list[Sample], scores: list[float], streamed: bool
+        self, step: int, samples: list[Sample], scores: list[float], streamed: bool
     ) -> dict[str, float]:
         """The step on annotated `samples`; `streamed`: their gradients are in (`stream`), so
         only the optimizer step is left. The whole step's batch still gives its metrics, the
@@ -261,7 +271,7 @@ class TrainerSide:
         if not samples:  # dynamic sampling found no informative group: nothing to learn
             return {}
         batch, critic_batch, metrics = prepare_batch(
-            self.cfg, samples, scores, self.pad_id, self.kl_controller.coef
+            self.cfg, samples, scores, self.pad_id, self.kl_controller.coef, step
         )
         self.kl_controller.adapt(metrics, batch.num_sequences)
         if streamed:

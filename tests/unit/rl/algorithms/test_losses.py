@@ -13,7 +13,7 @@ from rl.algorithms.advantages import ADVANTAGES
 from rl.algorithms.aggregation import LOSS_AGGREGATIONS
 from rl.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
 from rl.algorithms.kl import KL_ESTIMATORS, adaptive_kl_coef
-from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
+from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, mismatch_metrics
 from rl.algorithms.policy_losses import POLICY_LOSSES
 from rl.algorithms.value_loss import value_loss
 from rl.config import AlgorithmConfig
@@ -134,6 +134,29 @@ def test_gspo_token_gradient_equals_the_sequence_objective_gradient() -> None:
     assert gradcheck(per_sequence, (logprobs,))
 
 
+def test_cispo_loss_and_gradient_follow_the_papers_formula_token_by_token() -> None:
+    # MiniMax-M1 eqs. 4-5: J = sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi, loss = -J, so
+    # d loss / d logp = -clip(r) A on every token, clipped ones included (PPO's get 0 there).
+    torch.manual_seed(0)
+    old = -torch.rand(3, 6, dtype=torch.float64) - 0.1
+    logprobs = (old + 0.5 * torch.randn(3, 6, dtype=torch.float64)).requires_grad_()
+    advs = torch.randn(3, 6, dtype=torch.float64)
+    mask = (torch.rand(3, 6) > 0.25).double()
+    loss, clipped = POLICY_LOSSES.get("cispo")(
+        logprobs, old, advs, mask, AlgorithmConfig(clip_low=0.2, clip_high=0.28)
+    )
+    loss.sum().backward()
+    for b in range(3):
+        for k in range(6):
+            lp, a, on = logprobs[b, k].item(), advs[b, k].item(), mask[b, k].item()
+            r = math.exp(lp - old[b, k].item())
+            w = min(max(r, 0.8), 1.28)
+            assert loss[b, k].item() == pytest.approx(-w * a * lp * on, abs=1e-12)
+            assert logprobs.grad[b, k].item() == pytest.approx(-w * a * on, abs=1e-12)
+            assert clipped[b, k].item() == float(on == 1 and not 0.8 <= r <= 1.28)
+    assert 0 < clipped.sum() < mask.sum()  # both kinds of token were checked
+
+
 # ---------------------------------------------------------------- KL estimators
 
 
@@ -202,14 +225,23 @@ def test_aggregation_over_row_splits_equals_the_full_batch(name: str, split: int
 # pi_prox / pi_behav per token; column 3 is outside the mask and holds a huge log-ratio.
 IS_RATIOS = [[0.25, 1.5, 3.0, 1.0], [1.2, 0.8, 1.0, 1.0], [3.0, 1.0, 1.0, 1.0], [0.6, 0.6, 1, 1]]
 IS_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
-# Sequence ratios: 0.25 * 1.5 * 3 = 1.125, 1.2 * 0.8 = 0.96, 3, 0.6 * 0.6 = 0.36.
-# is_cap 2, is_low 0.5, is_high 2.
+# Sequence ratios: 0.25 * 1.5 * 3 = 1.125, 1.2 * 0.8 = 0.96, 3, 0.6 * 0.6 = 0.36; their
+# geometric means 1.125^(1/3) = 1.040, 0.96^(1/2) = 0.980, 3^(1/2) = 1.732, 0.6.
+# is_cap 2, is_low 0.5, is_high 2, geo_low 0.95, geo_high 1.05.
 IS_CASES = {
     "none": (IS_MASK, IS_MASK),
     "token-tis": ([[0.25, 1.5, 2, 0], [1.2, 0.8, 0, 0], [2, 1, 0, 0], [0.6, 0.6, 0, 0]], IS_MASK),
     "token-mis": (
         [[0, 1.5, 0, 0], [1.2, 0.8, 0, 0], [0, 1, 0, 0], [0.6, 0.6, 0, 0]],
         [[0, 1, 0, 0], [1, 1, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]],
+    ),
+    "icepop": (
+        [[0, 1.5, 0, 0], [1.2, 0.8, 0, 0], [0, 1, 0, 0], [0.6, 0.6, 0, 0]],
+        [[0, 1, 0, 0], [1, 1, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]],
+    ),
+    "geo-rs": (
+        [[1, 1, 1, 0], [1, 1, 0, 0], [0] * 4, [0] * 4],
+        [[1, 1, 1, 0], [1, 1, 0, 0], [0] * 4, [0] * 4],
     ),
     "seq-tis": (
         [[1.125] * 3 + [0], [0.96, 0.96, 0, 0], [2, 2, 0, 0], [0.36, 0.36, 0, 0]],
@@ -229,12 +261,58 @@ def test_off_policy_weights_and_mask_by_hand(name: str) -> None:
     proximal = (behaviour + torch.log(t(IS_RATIOS))).requires_grad_()
     with torch.no_grad():
         proximal[0, 3] = 1000.0  # outside the mask: ignored, no overflow
-    cfg = AlgorithmConfig(is_cap=2.0, is_low=0.5, is_high=2.0)
+    cfg = AlgorithmConfig(is_cap=2.0, is_low=0.5, is_high=2.0, geo_low=0.95, geo_high=1.05)
     weights, mask = OFF_POLICY_CORRECTIONS.get(name)(proximal, behaviour, t(IS_MASK), cfg)
     expected_weights, expected_mask = IS_CASES[name]
     assert close(weights, expected_weights)
     assert torch.equal(mask, t(expected_mask))
     assert not weights.requires_grad
+
+
+def _random_log_probs(seed: int, rows: int, cols: int, spread: float):
+    torch.manual_seed(seed)
+    behaviour = -3 * torch.rand(rows, cols)
+    proximal = behaviour + spread * torch.randn(rows, cols)
+    mask = (torch.rand(rows, cols) > 0.25).float()
+    mask[:, 0] = 1.0  # no empty row
+    return proximal, behaviour, mask
+
+
+def test_icepop_keeps_and_weighs_only_tokens_whose_ratio_is_inside_alpha_beta() -> None:
+    # IcePop (Ring-1T): M(k; alpha, beta) = k for alpha <= k <= beta, else 0 (out of the loss),
+    # with k = pi_train / pi_infer of each sampled token; alpha, beta = 0.5, 5 here.
+    proximal, behaviour, mask = _random_log_probs(1, 5, 8, spread=1.0)
+    weights, kept = OFF_POLICY_CORRECTIONS.get("icepop")(
+        proximal, behaviour, mask, AlgorithmConfig(is_low=0.5, is_high=5.0)
+    )
+    for b in range(5):
+        for k in range(8):
+            ratio = math.exp(proximal[b, k].item() - behaviour[b, k].item())
+            inside = mask[b, k].item() == 1 and 0.5 <= ratio <= 5.0
+            assert kept[b, k].item() == float(inside)
+            assert weights[b, k].item() == pytest.approx(ratio if inside else 0.0, rel=1e-5)
+    assert 0 < kept.sum() < mask.sum()  # both kinds of token were checked
+
+
+def test_geo_rs_drops_whole_sequences_by_the_geometric_mean_of_their_ratios() -> None:
+    # Geo-RS: g_i = (prod_t r_t)^(1 / |y_i|) over i's response tokens; the sequence stays in the
+    # loss, with weight 1, iff geo_low <= g_i <= geo_high.
+    proximal, behaviour, mask = _random_log_probs(2, 8, 5, spread=0.03)
+    weights, kept = OFF_POLICY_CORRECTIONS.get("geo-rs")(
+        proximal, behaviour, mask, AlgorithmConfig(geo_low=0.99, geo_high=1.01)
+    )
+    whole_rows = 0
+    for b in range(8):
+        ratios = [
+            math.exp(proximal[b, k].item() - behaviour[b, k].item())
+            for k in range(5)
+            if mask[b, k].item() == 1
+        ]
+        inside = 0.99 <= math.prod(ratios) ** (1 / len(ratios)) <= 1.01
+        whole_rows += inside
+        assert kept[b].tolist() == [float(inside) * m for m in mask[b].tolist()]
+        assert torch.equal(weights[b], kept[b])
+    assert 0 < whole_rows < 8  # both kinds of sequence were checked
 
 
 @pytest.mark.parametrize("name", list(IS_CASES))
@@ -244,6 +322,43 @@ def test_off_policy_weights_stay_finite_for_huge_log_ratios(name: str) -> None:
         proximal, behaviour, t([[1, 1]]), AlgorithmConfig()
     )
     assert torch.isfinite(weights).all()
+
+
+def test_mismatch_metrics_by_hand_overall_and_per_age() -> None:
+    # Per token (d = log p_trainer - log p_engine, in the mask, kept by the correction, the
+    # row's age); row 1 lost a token to the correction, its third column is padding.
+    tokens = {
+        0: [(0.1, True), (-0.2, True)],
+        1: [(0.5, False), (0.0, True)],
+        2: [(-1.0, True)],
+    }
+    ages = {0: 0, 1: 1, 2: 0}
+    behaviour = -torch.ones(3, 3)
+    proximal = behaviour.clone()
+    mask, kept = torch.zeros(3, 3), torch.zeros(3, 3)
+    for row, row_tokens in tokens.items():
+        for col, (d, keep) in enumerate(row_tokens):
+            proximal[row, col] += d
+            mask[row, col], kept[row, col] = 1.0, float(keep)
+    proximal[1, 2] = 50.0  # padding: never counted
+
+    def expected(rows: list[int]) -> dict[str, float]:
+        ds = [d for r in rows for d, _ in tokens[r]]
+        return {
+            "mismatch_k1": sum(-d for d in ds) / len(ds),  # log p_engine - log p_trainer
+            "mismatch_k3": sum(math.exp(d) - 1 - d for d in ds) / len(ds),
+            "kept_token_frac": sum(keep for r in rows for _, keep in tokens[r]) / len(ds),
+            "kept_seq_frac": sum(all(keep for _, keep in tokens[r]) for r in rows) / len(rows),
+        }
+
+    want = {f"off_policy/{k}": v for k, v in expected([0, 1, 2]).items()}
+    for age in (0, 1):
+        rows = [r for r in tokens if ages[r] == age]
+        want |= {f"off_policy/{k}_age{age}": v for k, v in expected(rows).items()}
+    got = mismatch_metrics(proximal, behaviour, mask, kept, torch.tensor([0, 1, 0]))
+    assert got == pytest.approx(want)
+    overall = {k: v for k, v in want.items() if "_age" not in k}
+    assert mismatch_metrics(proximal, behaviour, mask, kept, None) == pytest.approx(overall)
 
 
 # ---------------------------------------------------------------- value loss and controls
@@ -291,7 +406,7 @@ def test_dynamic_sampling_keeps_only_groups_with_different_scores() -> None:
 def test_registries_hold_exactly_the_documented_names_each_with_a_docstring() -> None:
     expected = {
         ADVANTAGES: ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"],
-        POLICY_LOSSES: ["clipped", "gspo"],
+        POLICY_LOSSES: ["cispo", "clipped", "gspo"],
         KL_ESTIMATORS: ["k1", "k2", "k3"],
         LOSS_AGGREGATIONS: [
             "seq-mean-token-mean",
@@ -301,6 +416,8 @@ def test_registries_hold_exactly_the_documented_names_each_with_a_docstring() ->
         ],
         OFF_POLICY_CORRECTIONS: [
             "decoupled",
+            "geo-rs",
+            "icepop",
             "none",
             "seq-mis",
             "seq-tis",

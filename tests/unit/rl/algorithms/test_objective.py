@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -146,3 +148,45 @@ def test_rows_with_advantage_ignores_advantages_outside_the_loss_mask() -> None:
     batch.loss_mask[2, 2:] = 0.0
     batch.advantages[2, :2] = 0.0  # non-zero only where no token is trained
     assert batch.rows_with_advantage().tolist() == [0, 3]
+
+
+def test_cispo_gradient_is_the_clipped_weight_times_advantage_over_the_token_count() -> None:
+    # clip_low 1: no lower bound on the weight, as MiniMax-M1 trains. token-mean divides the
+    # summed -sg[w] A logp by the valid tokens N: d loss / d logp = -clip(r, 0, 1.28) A / N.
+    cfg = AlgorithmConfig(policy_loss="cispo", loss_agg="token-mean", clip_low=1.0, clip_high=0.28)
+    batch = _batch(4, MAX_LEN)
+    torch.manual_seed(1)
+    logprobs = (batch.old_logprobs + torch.randn(4, MAX_LEN)).requires_grad_()
+    count = batch.loss_mask.sum().item()
+    loss, metrics = policy_objective(cfg, logprobs, torch.zeros(4, MAX_LEN), batch, MAX_LEN, count)
+    loss.backward()
+    for b in range(4):
+        for k in range(MAX_LEN):
+            ratio = math.exp(logprobs[b, k].item() - batch.old_logprobs[b, k].item())
+            expected = -min(ratio, 1.28) * batch.advantages[b, k].item() / count
+            assert logprobs.grad[b, k].item() == pytest.approx(
+                expected * batch.loss_mask[b, k].item(), abs=1e-7
+            )
+    assert 0 < metrics["clip_frac"] < 1  # clipped and unclipped tokens both checked
+
+
+def test_a_forward_correction_reports_the_engine_trainer_mismatch_of_its_tokens() -> None:
+    # Proximal = this forward's log-probs; k1 = mean(behav - prox), k3 = mean(e^d - 1 - d) with
+    # d = prox - behav, over the loss mask.
+    cfg = AlgorithmConfig(off_policy="token-tis")
+    batch = _batch(4, MAX_LEN)
+    torch.manual_seed(2)
+    logprobs = batch.behaviour_logprobs + 0.3 * torch.randn(4, MAX_LEN)
+    zeros = torch.zeros(4, MAX_LEN)
+    _, metrics = policy_objective(cfg, logprobs, zeros, batch, MAX_LEN, 1.0, "token-tis")
+    ds = [
+        logprobs[b, k].item() - batch.behaviour_logprobs[b, k].item()
+        for b in range(4)
+        for k in range(MAX_LEN)
+        if batch.loss_mask[b, k].item() == 1
+    ]
+    assert metrics["mismatch_k1"].item() == pytest.approx(-sum(ds) / len(ds), abs=1e-6)
+    k3 = sum(math.exp(d) - 1 - d for d in ds) / len(ds)
+    assert metrics["mismatch_k3"].item() == pytest.approx(k3, abs=1e-6)
+    _, plain = policy_objective(cfg, logprobs, zeros, batch, MAX_LEN, 1.0)
+    assert "mismatch_k1" not in plain  # no trainer proximal log-probs in this forward

@@ -339,3 +339,37 @@ def test_streaming_takes_gae_only_without_whitening_over_the_step() -> None:
     with pytest.raises(ConfigError, match="algorithm.advantage=gae with whiten_advantages"):
         load_config(recipe, [*streamed, "algorithm.whiten_advantages=true"])
     load_config(recipe, [*streamed, "algorithm.whiten_advantages=false"])
+
+
+def test_a_recipe_selects_cispo_icepop_and_geo_rs_and_their_bounds() -> None:
+    recipe = REPO / "recipes/grpo_addition_cpu.yaml"
+    cfg = load_config(
+        recipe,
+        [
+            "algorithm.policy_loss=cispo",
+            "algorithm.clip_low=1.0",
+            "algorithm.off_policy=geo-rs",
+            "algorithm.geo_low=0.99",
+            "algorithm.geo_high=1.01",
+        ],
+    )
+    assert (cfg.algorithm.policy_loss, cfg.algorithm.off_policy) == ("cispo", "geo-rs")
+    assert (cfg.algorithm.geo_low, cfg.algorithm.geo_high) == (0.99, 1.01)
+    assert load_config(recipe, ["algorithm.off_policy=icepop"]).algorithm.off_policy == "icepop"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["algorithm.geo_low=1.001"], r"algorithm.geo_low=1.001 and algorithm.geo_high=1.001"),
+        (["algorithm.geo_high=0.9"], r"algorithm.geo_low=0.999 and algorithm.geo_high=0.9"),
+        (["algorithm.is_low=-0.5"], r"algorithm.is_low=-0.5 and algorithm.is_high=2.0"),
+        (["algorithm.is_high=0.8"], r"algorithm.is_low=0.5 and algorithm.is_high=0.8"),
+    ],
+)
+def test_a_masking_band_that_excludes_ratio_one_is_refused_naming_its_keys(
+    overrides: list[str], named: str
+) -> None:
+    # Tokens whose engine and trainer agree exactly (ratio 1) must stay in the loss.
+    with pytest.raises(ConfigError, match=rf"grpo_addition_cpu.yaml: {named} must bracket 1"):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)

@@ -48,5 +48,10 @@ def test_only_gae_reads_a_critic_and_the_group_estimators_use_the_group_as_basel
 
 
 def test_only_the_masked_corrections_drop_tokens_and_none_needs_no_proximal_policy() -> None:
-    assert OFF_POLICY_CORRECTIONS.names(lambda t: not t.keeps_mask) == ["seq-mis", "token-mis"]
+    assert OFF_POLICY_CORRECTIONS.names(lambda t: not t.keeps_mask) == [
+        "geo-rs",
+        "icepop",
+        "seq-mis",
+        "token-mis",
+    ]
     assert OFF_POLICY_CORRECTIONS.names(lambda t: not t.needs_proximal) == ["none"]

@@ -8,6 +8,7 @@ that decides with which tensors each sample trains.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,8 @@ def _config(trainer: dict | None = None, scheduler: dict | None = None, **algori
 
 def _samples() -> list[Sample]:
     return [
-        Sample([1, 2], group_id=0, index=0, response_ids=[3, 4], logprobs=[-0.5, -0.5]),
-        Sample([1, 2], group_id=0, index=1, response_ids=[3], logprobs=[-0.5]),
+        Sample([1, 2], 0, 0, response_ids=[3, 4], logprobs=[-0.5, -0.5], token_versions=[0, 0]),
+        Sample([1, 2], 0, 1, response_ids=[3], logprobs=[-0.5], token_versions=[0]),
     ]
 
 
@@ -224,6 +225,37 @@ def test_a_recomputed_proximal_policy_weighs_behaviour_against_it() -> None:
     # exp(1) > 1.5: every response token's weight is truncated at the cap.
     assert batch.is_weights[batch.loss_mask.bool()].tolist() == pytest.approx([1.5] * 3)
     assert batch.advantages[0].abs().sum() > 0
+
+
+def test_a_recomputed_proximal_policy_reports_the_mismatch_per_sample_age() -> None:
+    # Step 3 trains version 2: sample 0 (version 2) is 0 versions old, sample 1 (version 1) 1.
+    cfg = _config(recompute_old_logprobs=True, off_policy="token-mis", is_low=0.5, is_high=2.0)
+    samples = _samples()
+    samples[0].token_versions, samples[1].token_versions = [2, 2], [1]
+    # Behaviour -0.5 everywhere; d = proximal - behaviour = [0.25, 1.0] and [-0.5].
+    samples[0].old_logprobs, samples[1].old_logprobs = [-0.25, 0.5], [-1.0]
+    _, _, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, 0.0, step=3)
+
+    def k3(d: float) -> float:
+        return math.exp(d) - 1 - d
+
+    # k1 = behav - prox = -d; token-mis drops sample 0's second token (e^1 > is_high).
+    expected = {
+        "mismatch_k1": -(0.25 + 1.0 - 0.5) / 3,
+        "mismatch_k3": (k3(0.25) + k3(1.0) + k3(-0.5)) / 3,
+        "kept_token_frac": 2 / 3,
+        "kept_seq_frac": 1 / 2,
+        "mismatch_k1_age0": -(0.25 + 1.0) / 2,
+        "mismatch_k3_age0": (k3(0.25) + k3(1.0)) / 2,
+        "kept_token_frac_age0": 1 / 2,
+        "kept_seq_frac_age0": 0.0,
+        "mismatch_k1_age1": 0.5,
+        "mismatch_k3_age1": k3(-0.5),
+        "kept_token_frac_age1": 1.0,
+        "kept_seq_frac_age1": 1.0,
+    }
+    got = {k.removeprefix("off_policy/"): v for k, v in metrics.items() if "_k" in k or "kept" in k}
+    assert got == pytest.approx(expected)
 
 
 def test_kl_in_reward_lowers_returns_and_adapts_the_coefficient() -> None:
