@@ -9,12 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.helpers.cli import run_rl
 from tests.helpers.metric_keys import check_metric_keys
 from tests.helpers.recipe_runs import kill_after_step, reference_run, run_recipe, write_recipe
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +21,10 @@ AGENT = Path(__file__).with_name("agent_functions.py")
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny runs' base (built here by a single-turn recipe: an agent function has no
-    demonstrations), trained through the agent at max_staleness 1 with abort points."""
-    root = tmp_path_factory.mktemp("agent-function")
-    base = tiny_run_tree(root, root / "runs", "base")
-    (root / "base.yaml").write_text(yaml.safe_dump(base))
-    built = run_rl("build-base", str(root / "base.yaml"))
-    assert built.returncode == 0, built.stderr[-4000:]
+def recipe(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path) -> Path:
+    """The tiny runs' base (a single-turn recipe's: an agent function has no demonstrations),
+    trained through the agent at max_staleness 1 with abort points."""
+    root = with_tiny_base(tmp_path_factory.mktemp("agent-function"), tiny_base)
     tree = tiny_run_tree(
         root,
         root / "runs",

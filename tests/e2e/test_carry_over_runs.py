@@ -11,7 +11,7 @@ import pytest
 
 from rl.checkpoint.store import list_checkpoints
 from tests.helpers.recipe_runs import kill_after_step, reference_run, run_recipe, write_recipe
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.e2e
 
@@ -19,10 +19,10 @@ NUM_STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def recipe(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path) -> Path:
     """A tiny GRPO recipe whose samples stop every 2 tokens, so that most groups finish in a
     later epoch than they started and every checkpoint holds partial samples."""
-    root = tmp_path_factory.mktemp("carry")
+    root = with_tiny_base(tmp_path_factory.mktemp("carry"), tiny_base)
     tree = tiny_run_tree(
         root,
         root / "runs",

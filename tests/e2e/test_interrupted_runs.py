@@ -29,7 +29,7 @@ from rl.sync.shared_memory import remove_stale_slots
 from rollout.engines.vllm_shm import remove_dead_engines_segments
 from tests.helpers.repo import REPO
 from tests.helpers.resumed_steps import computed
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 from tests.helpers.waiting import HANG_GUARD_S, wait_until_delivered
 
 pytestmark = pytest.mark.e2e
@@ -38,9 +38,9 @@ NUM_STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny overlapped GRPO recipe (its SFT base is built by the first run)."""
-    root = tmp_path_factory.mktemp("resume")
+def recipe(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path) -> Path:
+    """A tiny overlapped GRPO recipe, from the session's tiny SFT base."""
+    root = with_tiny_base(tmp_path_factory.mktemp("resume"), tiny_base)
     tree = tiny_run_tree(
         root,
         root / "runs",

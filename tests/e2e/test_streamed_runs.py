@@ -11,7 +11,7 @@ import pytest
 
 from rl.checkpoint.store import list_checkpoints
 from tests.helpers.recipe_runs import kill_after_step, reference_run, run_recipe, write_recipe
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.e2e
 
@@ -19,11 +19,11 @@ NUM_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def recipe(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path) -> Path:
     """A tiny GRPO recipe at max_staleness 1 with the trainer streaming (the default chunk: 2
     of a step's 8 groups), and a proximal pass (decoupled PPO), so every streamed chunk is
     annotated as well."""
-    root = tmp_path_factory.mktemp("streamed")
+    root = with_tiny_base(tmp_path_factory.mktemp("streamed"), tiny_base)
     tree = tiny_run_tree(
         root,
         root / "runs",

@@ -26,7 +26,7 @@ from rl.run.driver import RunAborted, train
 from rl.sync.shared_memory import SHM_DIR, owner_tag
 from tests.helpers.models import build_checkpoint, remove_pad_token
 from tests.helpers.resumed_steps import computed
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.integration
 
@@ -51,8 +51,8 @@ def flaky(response, example):
 
 
 @pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("driver")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path) -> Path:
+    return with_tiny_base(tmp_path_factory.mktemp("driver"), tiny_base)
 
 
 def _config(shared: Path, tmp_path: Path, name: str, **sections: dict) -> Config:

@@ -15,7 +15,7 @@ from rl.checkpoint.resume import find_resume_point
 from rl.config import Config
 from rl.run.driver import train
 from tests.helpers.resumed_steps import computed
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.integration
 
@@ -27,9 +27,11 @@ def _records(cfg: Config) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(tmp_path: Path) -> None:
+def test_a_lora_run_syncs_adapters_only_exports_them_and_resumes_exactly(
+    tmp_path: Path, tiny_base: Path
+) -> None:
     tree = tiny_run_tree(
-        tmp_path / "shared",
+        with_tiny_base(tmp_path / "shared", tiny_base),
         tmp_path / "runs",
         "lora",
         # Dropout draws from the trainer ranks' generators: a resume must restore them. The

@@ -25,7 +25,7 @@ from rl.run.driver import train
 from rl.types import Sample, SamplingParams
 from tests.helpers.processes import child_pids
 from tests.helpers.resumed_steps import assert_same_step, computed
-from tests.helpers.tiny_runs import tiny_run_tree
+from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ def _records(cfg: Config) -> list[dict]:
 
 
 def test_the_only_rollout_worker_killed_while_a_step_trains_is_replaced_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_base: Path
 ) -> None:
     """Overlapped (max_staleness 1), one rollout worker: it dies just as step 3's groups start
     on it, while step 2 trains (no annotation: training starts at the sync, before the
@@ -90,9 +90,10 @@ def test_the_only_rollout_worker_killed_while_a_step_trains_is_replaced_exactly(
         "scheduler": {"max_staleness": 1},
         "algorithm": {"recompute_old_logprobs": False},
     }
-    reference = _config(tmp_path / "shared", tmp_path, "uninterrupted", **sections)
+    shared = with_tiny_base(tmp_path / "shared", tiny_base)
+    reference = _config(shared, tmp_path, "uninterrupted", **sections)
     train(reference)
-    cfg = _config(tmp_path / "shared", tmp_path, "rollout-lost-while-training", **sections)
+    cfg = _config(shared, tmp_path, "rollout-lost-while-training", **sections)
     served, killed, _ = _kill_at_the_second_submission(monkeypatch)
     train(cfg)
 
@@ -110,7 +111,7 @@ def test_the_only_rollout_worker_killed_while_a_step_trains_is_replaced_exactly(
 
 
 def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_base: Path
 ) -> None:
     """Three-turn episodes of a user's environment (again_env.py, in sandboxed workers) and the
     python tool's pool: the killed worker's episodes start again from the driver's copies, and
@@ -121,7 +122,7 @@ def test_agent_episodes_of_a_killed_rollout_worker_start_again_whole_and_resume_
         "tools": ["python"],
     }
     cfg = _config(
-        tmp_path / "shared",
+        with_tiny_base(tmp_path / "shared", tiny_base),
         tmp_path,
         "agent-fault",
         agent={**agent, "max_turns": 3, "tool_workers": 1, "env_workers": 1},
