@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RAY_ADDRESS"] = args.address  # what rl.cluster.reservation.init_ray joins
     try:
         train(cfg, resume_from)
-    except CheckpointError as exc:  # model.path checked again once built, and at restarts
+    # model.path checked again once built, and at restarts; teacher.path against a built base.
+    except (CheckpointError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RunAborted, RunInUse) as exc:

@@ -170,6 +170,9 @@ class Sample:
     # cache served instead of a prefill. None: the engine does not report it.
     request_prompt_tokens: int = 0
     cached_prompt_tokens: int | None = None
+    # On-policy distillation (rl.run.experience): the frozen teacher's log-prob of each response
+    # token, at the sampling temperature; filled with the other annotations.
+    teacher_logprobs: list[float] | None = None
 
     @property
     def sampled_mask(self) -> list[int]:
@@ -222,6 +225,7 @@ class Batch:
     is_weights: torch.Tensor | None = None  # [B, T-1] float, off-policy correction (detached)
     returns: torch.Tensor | None = None  # [B, T-1] float, value targets (PPO critic)
     old_values: torch.Tensor | None = None  # [B, T-1] float, critic values at generation
+    teacher_logprobs: torch.Tensor | None = None  # [B, T-1] float, distillation's teacher
 
     @property
     def num_sequences(self) -> int:

@@ -105,7 +105,7 @@ class _InFlightRecord(_Record):
 
 
 # Sample fields a checkpoint leaves out: the trainer's annotations, computed again on resume.
-_ANNOTATIONS = ("old_logprobs", "ref_logprobs", "values")
+_ANNOTATIONS = ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs")
 
 
 def in_flight_to_json(state: InFlight) -> dict:

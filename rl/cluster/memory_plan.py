@@ -8,7 +8,9 @@ over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathe
 embeddings and head, the current layer and the prefetched next), the activations a
 micro-batch saves for backward, the fused log-prob kernel's workspace, and on GPUs the weight
 transport's buffers. A rollout worker
-holds its tensor-parallel slice of the weights and the KV cache. The figures leave out
+holds its tensor-parallel slice of the weights and the KV cache. A distillation teacher's rank
+holds its shard of the teacher's fp32 weights, the layers it has gathered, one layer's
+activations of a micro-batch and the kernel's forward workspace. The figures leave out
 allocator fragmentation and runtime overheads (CUDA context, NCCL buffers: about 1-2 GiB a
 GPU), so a plan within a few percent of the limit is not safe.
 """
@@ -209,6 +211,34 @@ def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> 
     return RoleMemory(role, parts)
 
 
+def teacher_rank(cfg: Config, shape: ModelShape) -> RoleMemory:
+    """A distillation teacher rank's peak while it scores; `shape` is the teacher's. Sharded
+    and micro-batched as the trainer is, over the teacher's own ranks."""
+    trainer = cfg.trainer
+    num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(
+        trainer.sharding, cfg.teacher_world_size()
+    )
+    compute = _DTYPE_BYTES[cfg.model.dtype]
+    num_gathered = shape.num_root_params + 2 * shape.num_layer_params
+    if trainer.sharding in ("zero2", "none"):
+        num_gathered = shape.num_params
+    num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
+    # A forward without backward keeps no layer's activations: the hidden states and the
+    # current layer's intermediates (the checkpointed count holds every layer's input).
+    elements = (
+        shape.activation_elements_per_token(True) - (shape.num_layers - 1) * shape.hidden_size
+    )
+    rows = min(trainer.logprob_chunk_size, num_tokens)
+    columns = min(trainer.logprob_vocab_chunk_size, shape.vocab_size)
+    parts = {
+        "params": 4 * shape.num_params / num_shards,
+        "gathered": compute * num_gathered,
+        "activations": compute * num_tokens * elements,
+        "log-prob workspace": 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES,
+    }
+    return RoleMemory("teacher rank", parts)
+
+
 def rollout_rank(cfg: Config, shape: ModelShape) -> tuple[RoleMemory, float]:
     """(a rollout TP rank's weights and the KV cache its share of a step's sequences needs,
     the memory its engine reserves: rollout.kv_cache_gb on CPU beyond the weights; on GPU
@@ -255,20 +285,32 @@ def sync_buffers(cfg: Config, shape: ModelShape) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool) -> str:
+def check_fits(
+    cfg: Config,
+    shape: ModelShape,
+    device_bytes: float,
+    on_gpu: bool,
+    teacher_shape: ModelShape | None = None,
+) -> str:
     """The estimate, one line a role, and the verdict; PlanDoesNotFit with the fix when the
     plan needs more than `device_bytes` per GPU (on_gpu) or in host memory (CPU: every
-    rank of every role shares it)."""
+    rank of every role shares it). `teacher_shape`: the distillation teacher's, if any."""
     trainer = trainer_rank(cfg, shape)
     critic = trainer_rank(cfg, shape, "critic rank") if needs_critic(cfg) else None
+    teacher = None if teacher_shape is None else teacher_rank(cfg, teacher_shape)
     rollout, cpu_reserve = rollout_rank(cfg, shape)
     lines = [trainer.describe()]
-    if critic is not None:
-        lines.append(critic.describe())
+    for role in (critic, teacher):
+        if role is not None:
+            lines.append(role.describe())
     rollout_line = len(lines)
     lines.append(rollout.describe())
-    # The critic trains after the policy: their states stay resident, activations do not add up.
+    # The critic trains after the policy and the teacher scores before it: their states stay
+    # resident, activations do not add up.
     trainer_side = trainer.total + (critic.total - critic.parts["activations"] if critic else 0)
+    own_devices = teacher is not None and cfg.teacher.devices > 0
+    if teacher is not None and not own_devices:
+        trainer_side += teacher.total - teacher.parts["activations"]
     if on_gpu:
         reserve = cfg.rollout.gpu_memory_utilization * device_bytes
         lines.append(
@@ -297,12 +339,19 @@ def check_fits(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool
                 )
                 + "; lower rollout.gpu_memory_utilization or rollout.weight_bucket_mb"
             )
+        if own_devices and teacher.total > device_bytes:
+            raise PlanDoesNotFit(
+                _verdict(lines, "a teacher rank exceeds a device of its own")
+                + "; shard the teacher over more ranks (teacher.num_workers, teacher.devices)"
+            )
         needed = trainer_side + (reserve + rollout_sync if colocated else 0)
         where = "a device shared by a trainer rank and vLLM" if colocated else "a trainer device"
     else:
         needed = trainer.total * cfg.trainer.num_workers + cpu_reserve * cfg.rollout.num_workers
         if critic is not None:
             needed += (critic.total - critic.parts["activations"]) * cfg.critic_world_size()
+        if teacher is not None:
+            needed += (teacher.total - teacher.parts["activations"]) * cfg.teacher_world_size()
         where = "host memory, shared by every rank"
     summary = f"{where}: {needed / GIB:.2f} GiB needed of {device_bytes / GIB:.2f} GiB"
     if needed > device_bytes:
@@ -352,7 +401,15 @@ def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
     if lora.enabled:
         adapters = shape.num_adapter_params(lora.rank, lora.target_modules)
         header += f"\nLoRA: {adapters / 1e6:.2f}M adapter parameters train (rank {lora.rank})"
-    return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu)}"
+    teacher_shape = None
+    if cfg.teacher.enabled:
+        teacher_config = Path(cfg.teacher.path) / "config.json"
+        if teacher_config.is_file():
+            teacher_shape = ModelShape.read(teacher_config.parent)
+            header += f"\nteacher: {teacher_shape.num_params / 1e9:.3f}B parameters"
+        else:
+            header += f"\nteacher: left out, {teacher_config} is not here to read its sizes"
+    return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu, teacher_shape)}"
 
 
 def _visible_gpu() -> tuple[str, int] | None:

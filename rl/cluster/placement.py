@@ -4,8 +4,9 @@ Pure (no Ray), so `rl train --dry-run` can show it; `rl.cluster.reservation` res
 
 colocate: every role shares every device and the scheduler time-slices them (or overlaps
 them, with max_staleness > 0, on the same devices). split: the rollout workers get the first
-`rollout_devices` bundles, and the trainer ranks, critic and reward models share the next
-`trainer_devices`, so generation and training never compete for a device.
+`rollout_devices` bundles, and the trainer ranks, critic, distillation teacher, reward
+models and local judges share the next `trainer_devices`, so generation and training never compete for a
+device; a teacher given `teacher.devices` gets that many more, after the trainer's.
 
 Across nodes each pool (colocate: the whole pool; split: the rollout's, and the trainer's) is
 cut into node blocks of at most `scheduler.devices_per_node` bundles, each reserved packed on
@@ -66,14 +67,16 @@ class PlacementPlan:
 
     def trace_lanes(self) -> dict[str, list[int]]:
         """Lanes of the run's trace (rl.observe.trace) and the bundles each occupies: one per rollout
-        worker, one for the trainer side (policy, reference, critic), and the reward lane,
-        on the reward models' bundles (function rewards run in the driver's processes)."""
+        worker, one for the trainer side (policy, reference, critic, teacher), and the reward
+        lane, on the reward models' and local judges' bundles (function rewards run in the
+        driver's processes, remote judges elsewhere)."""
         lanes = {
             f"rollout-{index}": list(range(first, first + self.rollout_width))
             for index, first in enumerate(self.roles["rollout"])
         }
-        lanes["trainer"] = sorted({*self.devices_of("trainer"), *self.devices_of("critic")})
-        lanes["reward"] = self.devices_of("reward_model")
+        trainer_side = ("trainer", "critic", "teacher")
+        lanes["trainer"] = sorted({d for role in trainer_side for d in self.devices_of(role)})
+        lanes["reward"] = sorted({*self.devices_of("reward_model"), *self.devices_of("judge")})
         return lanes
 
     def describe(self) -> str:
@@ -103,21 +106,28 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     """
     tp = cfg.rollout.tensor_parallel_size
     num_rollout_devices = cfg.rollout.num_workers * tp
+    num_teacher_ranks = cfg.teacher_world_size() if cfg.teacher.enabled else 0
     trainer_roles = {
         "trainer": cfg.trainer.num_workers,
         "critic": cfg.critic_world_size() if needs_critic(cfg) else 0,
+        # On devices of its own (teacher.devices, split only), placed below.
+        "teacher": 0 if cfg.teacher.devices else num_teacher_ranks,
         "reward_model": sum(term.name.startswith(MODEL_PREFIX) for term in cfg.reward.terms),
+        # A local judge's engine (one with a url runs elsewhere).
+        "judge": sum(t.judge is not None and not t.judge.url for t in cfg.reward.terms),
     }
     if cfg.scheduler.placement == "split":
         num_rollout_devices = cfg.scheduler.rollout_devices or num_rollout_devices
         num_trainer_devices = cfg.scheduler.trainer_devices or cfg.trainer.num_workers
         first = num_rollout_devices
     else:
-        num_trainer_devices = max(cfg.trainer.num_workers, cfg.critic_world_size())
+        num_trainer_devices = max(
+            cfg.trainer.num_workers, cfg.critic_world_size(), num_teacher_ranks
+        )
         first = 0
     roles = {"rollout": _spread(cfg.rollout.num_workers, num_rollout_devices, tp, 0)}
     for role, count in trainer_roles.items():
-        if count and role == "reward_model":
+        if count and role in ("reward_model", "judge"):
             roles[role] = [first] * count  # small models: they share the first device
         elif count:
             roles[role] = _spread(count, num_trainer_devices, 1, first)
@@ -125,6 +135,10 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     if cfg.scheduler.placement == "split":
         num_devices = num_rollout_devices + num_trainer_devices
         pools = [range(num_rollout_devices), range(num_rollout_devices, num_devices)]
+        if cfg.teacher.devices and num_teacher_ranks:
+            roles["teacher"] = _spread(num_teacher_ranks, cfg.teacher.devices, 1, num_devices)
+            pools.append(range(num_devices, num_devices + cfg.teacher.devices))
+            num_devices += cfg.teacher.devices
     else:
         needed = max(num_rollout_devices, *(max(b) + 1 for b in roles.values()))
         num_devices = max(needed, cfg.scheduler.num_devices)

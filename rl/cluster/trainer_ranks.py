@@ -1,5 +1,6 @@
-"""The driver's handles to the trainer-side roles: the policy's ranks (TrainWorker actors) and
-the critic's (CriticWorker actors), each a torch.distributed group that acts as one."""
+"""The driver's handles to the trainer-side roles: the policy's ranks (TrainWorker actors),
+the critic's (CriticWorker actors) and the distillation teacher's (TeacherWorker actors), each
+a torch.distributed group that acts as one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rl.cluster.reservation import Placement
 from rl.config import Config
 from rl.types import Batch
 from trainer.critic_worker import start_critic_ranks
+from trainer.teacher_worker import start_teacher_ranks
 from trainer.worker import start_policy_ranks
 
 
@@ -109,3 +111,23 @@ class CriticRanks(RoleRanks):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B, T-1] (fp32, CPU) of `batch`, 0 outside its loss_mask."""
         return on_every_rank(self.workers, "compute_values", batch)
+
+
+class TeacherRanks:
+    """The distillation teacher's ranks: a frozen model in a group of its own, on the bundles
+    the plan gives the role (the trainer's, or its own under split placement). It only scores:
+    nothing of it is trained or checkpointed, and it ends with the run's placement groups."""
+
+    def __init__(self, cfg: Config, placement: Placement, num_roles_sharing: int) -> None:
+        bundles = placement.plan.roles["teacher"]
+        self.workers = start_teacher_ranks(
+            cfg, [placement.actor_options(index, num_roles_sharing) for index in bundles]
+        )
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The teacher's log-probs [B, T-1] (fp32, CPU) of `batch`, 0 at padding."""
+        return on_every_rank(self.workers, "compute_logprobs", batch)
+
+    def release_memory(self) -> None:
+        """Every rank moves its shards off its GPU until it next scores."""
+        ray.get([w.release_memory.remote() for w in self.workers])

@@ -22,6 +22,7 @@ from rl.config.tree import (
     SandboxConfig,
     SchedulerConfig,
     Section,
+    TeacherConfig,
     TrainerConfig,
 )
 
@@ -44,5 +45,6 @@ __all__ = [
     "SandboxConfig",
     "SchedulerConfig",
     "Section",
+    "TeacherConfig",
     "TrainerConfig",
 ]

@@ -4,6 +4,7 @@ and how to fix them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rl.config import Config
@@ -46,6 +47,35 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     _check_scheduler(cfg, path)
     _check_agent(cfg, path)
     _check_lora(cfg, path)
+    _check_distillation(cfg, path)
+
+
+def _check_distillation(cfg: Config, path: Path | str) -> None:
+    """algorithm.distill_coef and the teacher go together (the teacher's files are checked
+    with the other inputs: rl.config.recipe.check_teacher)."""
+    coef, teacher = cfg.algorithm.distill_coef, cfg.teacher
+    if coef < 0:
+        raise ConfigError(f"{path}: algorithm.distill_coef must be >= 0 (0 = off), got {coef}")
+    if coef > 0 and not teacher.enabled:
+        raise ConfigError(
+            f"{path}: algorithm.distill_coef={coef} distils from a teacher: set teacher.path "
+            "to its HF directory (sharing model.path's tokenizer), or algorithm.distill_coef=0"
+        )
+    if teacher.enabled and coef == 0:
+        raise ConfigError(
+            f"{path}: teacher.path={teacher.path!r} would be loaded for nothing with "
+            "algorithm.distill_coef=0: set a coefficient > 0 (pure distillation: with the "
+            "task reward's weight 0), or drop teacher.path"
+        )
+    for key, value in (("num_workers", teacher.num_workers), ("devices", teacher.devices)):
+        if value < 0:
+            raise ConfigError(f"{path}: teacher.{key} must be >= 0, got {value}")
+    if teacher.devices and cfg.scheduler.placement != "split":
+        raise ConfigError(
+            f"{path}: teacher.devices={teacher.devices} gives the teacher devices of its own "
+            "beside the trainer's, which needs scheduler.placement=split; colocated, every role "
+            "shares every device (drop teacher.devices)"
+        )
 
 
 # The largest adapter rank vLLM serves (its LoRAConfig.max_lora_rank choices end there).
@@ -160,6 +190,8 @@ def _check_trainer(cfg: Config, path: Path | str) -> None:
     ranks = {"trainer.num_workers": trainer.num_workers}
     if needs_critic(cfg):
         ranks["critic ranks"] = cfg.critic_world_size()
+    if cfg.teacher.enabled:
+        ranks["teacher ranks"] = cfg.teacher_world_size()
     size = trainer.shard_group_size
     for key, num_ranks in ranks.items():
         if size < 1 or num_ranks % size:
@@ -389,16 +421,32 @@ def _check_algorithm(cfg: Config, path: Path | str) -> None:
         raise ConfigError(f"{path}: critic.num_workers must be >= 0 (0 = trainer.num_workers)")
     from rl.rewards import check_reward_terms
 
+    # A judge may be the base this recipe builds before it starts (base.build_if_missing).
+    will_exist = {os.path.abspath(cfg.model.path)} if cfg.base.build_if_missing else set()
     try:
-        check_reward_terms(cfg.reward)
+        check_reward_terms(cfg.reward, will_exist)
     except ValueError as exc:
         raise ConfigError(f"{path}: reward.terms: {exc}") from None
+    _check_judges(cfg, path)
+
+
+def _check_judges(cfg: Config, path: Path | str) -> None:
+    """A judge that compares a group's responses needs groups of several."""
+    for index, term in enumerate(cfg.reward.terms):
+        judge = term.judge
+        if judge is not None and judge.mode != "pointwise" and cfg.algorithm.group_size < 2:
+            raise ConfigError(
+                f"{path}: reward.terms[{index}].judge.mode={judge.mode!r} compares the responses "
+                f"of a group, but algorithm.group_size={cfg.algorithm.group_size}: use "
+                "mode=pointwise, or groups of 2 or more"
+            )
 
 
 def _check_registered_names(cfg: Config, path: Path | str) -> None:
     """Names looked up in registries fail here, not after the actors have started."""
     from rl.algorithms.advantages import ADVANTAGES
     from rl.algorithms.aggregation import LOSS_AGGREGATIONS
+    from rl.algorithms.distill import DISTILL_LOSSES
     from rl.algorithms.kl import KL_ESTIMATORS
     from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS
     from rl.algorithms.policy_losses import POLICY_LOSSES
@@ -414,6 +462,7 @@ def _check_registered_names(cfg: Config, path: Path | str) -> None:
         ("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGREGATIONS),
         ("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS),
         ("algorithm.off_policy", cfg.algorithm.off_policy, OFF_POLICY_CORRECTIONS),
+        ("algorithm.distill_loss", cfg.algorithm.distill_loss, DISTILL_LOSSES),
     ):
         if value not in registry:
             raise ConfigError(

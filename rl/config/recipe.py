@@ -185,6 +185,7 @@ def check_inputs(cfg: Config, path: Path | str) -> None:
     from rl.data.loading import check_data_files, load_examples, prompt_token_limit
 
     _check_model_path(cfg, path)
+    check_teacher(cfg, path)
     try:
         check_data_files(cfg.data)
         prompt_token_limit(cfg)
@@ -236,6 +237,68 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
                 f"linear module of {cfg.model.path}; its layers' linear modules are "
                 f"{', '.join(sorted(linear))}"
             )
+
+
+def check_teacher(cfg: Config, path: Path | str) -> None:
+    """teacher.path, when set, is an HF checkpoint directory whose tokenizer is model.path's:
+    the teacher scores the student's token ids, which must mean the same tokens to both. A
+    model.path the run has yet to build (base.build_if_missing) is compared once built (the
+    driver calls this again). ConfigError naming teacher.path and what differs."""
+    if not cfg.teacher.enabled:
+        return
+    teacher_dir, student_dir = Path(cfg.teacher.path), Path(cfg.model.path)
+    where = f"{path}: teacher.path={cfg.teacher.path!r}"
+    if not (teacher_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{where} is not a Hugging Face causal-LM directory (no config.json): point it at "
+            "a local checkpoint (config, *.safetensors, tokenizer files)"
+        )
+    _check_tokenizer(teacher_dir, where)
+    try:
+        shapes = checkpoint_tensor_shapes(teacher_dir)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if not shapes:
+        raise ConfigError(f"{where} has no *.safetensors files: the teacher loads from them only")
+    if not (student_dir / "config.json").is_file():
+        return
+    difference = tokenizer_difference(student_dir, teacher_dir)
+    if difference:
+        raise ConfigError(
+            f"{where} does not share the tokenizer of model.path={cfg.model.path!r} "
+            f"({difference}): "
+            "the teacher scores the student's token ids, so both must read them as the same "
+            "tokens; use a teacher of the student's family, with its tokenizer files"
+        )
+
+
+def tokenizer_difference(student_dir: Path, teacher_dir: Path) -> str:
+    """What makes `teacher_dir`'s tokenizer read token ids otherwise than `student_dir`'s, or
+    render a prompt otherwise (the vocabulary, special tokens, chat template), or ids past the
+    teacher's embedding rows; "" when nothing does."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(student_dir)
+    teacher = AutoTokenizer.from_pretrained(teacher_dir)
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if student_vocab != teacher_vocab:
+        differing = sorted(
+            set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda item: item[1]
+        )
+        token, index = differing[0]
+        return (
+            f"vocabularies of {len(student_vocab)} and {len(teacher_vocab)} tokens differ, "
+            f"first at id {index} ({token!r})"
+        )
+    for name in ("eos_token", "pad_token", "bos_token", "unk_token"):
+        if getattr(student, name) != getattr(teacher, name):
+            return f"{name} {getattr(student, name)!r} against {getattr(teacher, name)!r}"
+    if student.chat_template != teacher.chat_template:
+        return "chat templates differ"
+    rows = AutoConfig.from_pretrained(teacher_dir).vocab_size
+    if rows < len(student):
+        return f"the teacher's {rows} embedding rows cannot score ids up to {len(student) - 1}"
+    return ""
 
 
 # The files a Hugging Face tokenizer is made from: any one of these sets.

@@ -4,8 +4,8 @@ overrides patch it.
 Every field has a single definition here with a one-line description, which is what
 `rl train --help-config` prints. Unknown keys are errors (extra="forbid"). The sections go
 from the run level (where roles run, how far generation runs ahead, saving, faults, length and
-reporting) to the model, data, rollout, trainer, algorithm, critic and reward sections, and
-`Config`, the root.
+reporting) to the model, data, rollout, trainer, algorithm, critic, teacher and reward
+sections, and `Config`, the root.
 """
 
 from __future__ import annotations
@@ -657,6 +657,17 @@ class AlgorithmConfig(Section):
         "to overlong_penalty, linearly (0 = off).",
     )
     overlong_penalty: float = Field(1.0, description="Overlong shaping: the largest penalty.")
+    distill_coef: float = Field(
+        0.0,
+        description="On-policy distillation: weight of the teacher's per-token term "
+        "(distill_loss) added to the task advantage on each sampled token; needs teacher.path "
+        "(0 = off). Pure distillation: this with the task reward's weight 0.",
+    )
+    distill_loss: str = Field(
+        "reverse_kl",
+        description="Distillation term from rl.algorithms.distill: reverse_kl, "
+        "-(behaviour log-prob - teacher log-prob) of each sampled token.",
+    )
 
 
 class CriticConfig(Section):
@@ -674,16 +685,152 @@ class CriticConfig(Section):
     )
 
 
+class TeacherConfig(Section):
+    """On-policy distillation's teacher (algorithm.distill_coef > 0): a frozen model sharing the
+    student's tokenizer that scores the student's sampled tokens (docs/algorithms.md)."""
+
+    path: str = Field(
+        "",
+        description="Local HF causal-LM directory of the teacher; its tokenizer must be "
+        "model.path's (same vocabulary, special tokens and chat template). Empty = no teacher.",
+    )
+    num_workers: int = Field(
+        0,
+        description="Teacher ranks: an FSDP2 group of its own, forward only (0 = "
+        "trainer.num_workers).",
+    )
+    devices: int = Field(
+        0,
+        description="split placement: devices of the teacher's own, after the trainer's (0 = "
+        "on the trainer's devices, as the reference and the critic).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+
+class JudgeConfig(Section):
+    """A generative judge (a `judge` reward term): a local model served by a rollout engine, or
+    an OpenAI-compatible endpoint (`url`), reads a prompt template filled with the prompt,
+    response(s) and reference answer, and its verdict is parsed into a score (README,
+    "Judges")."""
+
+    model: str = Field(
+        "",
+        description="Local judge: an HF causal-LM directory served by a rollout engine; with "
+        "url: the model name sent to the endpoint.",
+    )
+    url: str = Field(
+        "",
+        description="Base URL of an OpenAI-compatible API (requests go to URL/chat/completions); "
+        "empty = a local judge.",
+    )
+    api_key_env: str = Field(
+        "",
+        description="url: the environment variable holding the API key (sent as a bearer "
+        "token, never logged or saved); empty = no key.",
+    )
+    template: str = Field(
+        "",
+        description="The judge's prompt, inline, with {prompt}, {answer} and the mode's response "
+        "fields ({response}; pairwise {response_a}, {response_b}; listwise {responses}, "
+        "{num_responses}); {{ and }} are literal braces.",
+    )
+    template_file: str = Field(
+        "", description="A file holding the template instead (exactly one of the two)."
+    )
+    mode: Literal["pointwise", "pairwise", "listwise"] = Field(
+        "pointwise",
+        description="pointwise: one judgement per response; pairwise: one per pair of a group's "
+        "responses, a response scoring its mean share of its comparisons; listwise: one per "
+        "group, scoring every response at once.",
+    )
+    parser: str = Field(
+        "score",
+        description="How a verdict becomes scores, from rl.rewards.judge_parsers.VERDICT_PARSERS: "
+        "score or choice (pointwise and pairwise), scores or ranking (listwise).",
+    )
+    score_range: tuple[float, float] = Field(
+        (0.0, 10.0),
+        description="score/scores parsers: the valid [low, high]; a number x in it scores "
+        "(x - low) / (high - low).",
+    )
+    choices: dict[str, float] = Field(
+        {}, description="choice parser: each label the judge may answer, and its score."
+    )
+    verdict_marker: str = Field(
+        "",
+        description="The verdict is the judge's text after the last occurrence of this string "
+        "(a missing marker is a parse failure); empty = the whole text.",
+    )
+    max_new_tokens: int = Field(16, ge=1, description="Longest verdict the judge may write.")
+    temperature: float = Field(
+        0.0, ge=0.0, description="The judge's sampling temperature (0 = greedy)."
+    )
+    max_concurrency: int = Field(
+        16,
+        ge=1,
+        description="Judgements in flight at once: HTTP requests to url, or sequences a local "
+        "judge's engine generates together.",
+    )
+    cache_size: int = Field(
+        4096,
+        ge=0,
+        description="Verdicts kept, keyed by the judge's whole input (the prompt, response(s) "
+        "and answer), and reused for the same input (0 = no cache).",
+    )
+    engine: str = Field(
+        "vllm",
+        description="Local judge: the rollout engine serving it, from "
+        "rollout.engines.registry.ENGINES.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Local judge: the dtype its engine computes in."
+    )
+    max_model_len: int = Field(
+        1024,
+        ge=2,
+        description="Local judge: longest input + verdict in tokens (a longer input is a "
+        "failed judgement).",
+    )
+    kv_cache_gb: float = Field(
+        0.25, gt=0, description="Local judge on CPU: the vLLM engine's KV-cache size in GiB."
+    )
+    gpu_memory_utilization: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="Local judge on a GPU: the fraction of its GPU's memory the vLLM engine takes.",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="url: seconds one request may take before it is retried."
+    )
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="url: retries of a request that timed out, failed to connect or got a 429 "
+        "or 5xx, waiting backoff_s, then twice as long each time (or the Retry-After asked).",
+    )
+    backoff_s: float = Field(1.0, gt=0, description="url: the wait before the first retry.")
+    requests_per_s: float = Field(
+        0.0, ge=0, description="url: the most requests started per second (0 = no limit)."
+    )
+
+
 class RewardTermConfig(Section):
-    """One reward: a verifier, a user's function or a reward model, with a weight."""
+    """One reward: a verifier, a user's function, a reward model or a judge, with a weight."""
 
     name: str = Field(
         "task",
         description="'task' (the data task's verifier), a registered verifier from "
-        "rl.rewards.VERIFIERS, 'path/to/file.py:function', or 'model:PATH' (HF "
-        "sequence-classification checkpoint).",
+        "rl.rewards.VERIFIERS, 'path/to/file.py:function', 'model:PATH' (HF "
+        "sequence-classification checkpoint), or 'judge' (a generative judge, set in `judge`).",
     )
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+    judge: JudgeConfig | None = Field(
+        None, description="The judge of a term named 'judge' (README, 'Judges')."
+    )
 
 
 class RewardConfig(Section):
@@ -696,7 +843,8 @@ class RewardConfig(Section):
     )
     on_error: Literal["zero", "fail"] = Field(
         "zero",
-        description="A reward function that raises or times out: score 0 and count it, or fail.",
+        description="A reward function that raises or times out, or a judge's verdict that "
+        "fails or does not parse: score 0 and count it, or fail.",
     )
     num_processes: int = Field(2, description="Worker processes evaluating reward functions.")
     memory_mb: int = Field(
@@ -745,6 +893,7 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
+    teacher: TeacherConfig = TeacherConfig()
     reward: RewardConfig = RewardConfig()
     sandbox: SandboxConfig = SandboxConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -755,3 +904,7 @@ class Config(Section):
     def critic_world_size(self) -> int:
         """critic.num_workers, where 0 means as many ranks as the policy trainer."""
         return self.critic.num_workers or self.trainer.num_workers
+
+    def teacher_world_size(self) -> int:
+        """teacher.num_workers, where 0 means as many ranks as the policy trainer."""
+        return self.teacher.num_workers or self.trainer.num_workers

@@ -3,8 +3,9 @@ weighted sum.
 
 Function terms (verifiers, `task`, users' functions) run in a `FunctionPool` of worker
 processes, each (term, sample) within `reward.timeout_s`; reward models run on their own
-`RewardModelWorker` actors at the same time. A reward-model actor that dies is replaced and
-its call retried, `retries` times per call, before the run stops.
+`RewardModelWorker` actors, and judges (rl.rewards.judge) on their own `JudgeWorker` actors or
+behind their endpoints, at the same time. A reward-model or judge actor that dies is replaced
+and its call retried, `retries` times per call, before the run stops.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from ray.actor import ActorHandle
 
 from rl.config import RewardConfig
 from rl.data.tasks import Task
+from rl.rewards.judge import JudgeBackend, JudgeTerm, judge_key
+from rl.rewards.judge_remote import RemoteJudge
+from rl.rewards.judge_worker import LocalJudgeActor
 from rl.rewards.model_worker import RewardModelWorker
 from rl.rewards.pool import Failure, FunctionPool
 from rl.rewards.terms import FunctionTerm, check_reward_terms, parse_term, term_label
@@ -41,10 +45,11 @@ class RewardScorer:
     starting the worker processes, which import users' files, and reward-model actors), so that bad
     input fails before any training work. `close()` stops the processes and actors.
 
-    `model_options` are Ray `.options(...)` for the reward-model actors (resources, placement).
-    `retries`: how often one `score` call replaces a reward-model actor that died and asks
-    again before it raises (`faults.reward_model_retries` in a run). `log_file`: where the
-    reward workers' output goes (None: the driver's stderr).
+    `model_options` are Ray `.options(...)` for the reward-model actors (resources, placement),
+    `judge_options` for the local judges' actors. `retries`: how often one `score` call
+    replaces a reward-model or judge actor that died and asks again before it raises
+    (`faults.reward_model_retries` in a run). `log_file`: where the reward workers' output goes
+    (None: the driver's stderr); a local judge's goes to `judge-<label>.log` beside it.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class RewardScorer:
         task: Task,
         model_options: dict | None = None,
         *,
+        judge_options: dict | None = None,
         retries: int = 0,
         log_file: str | None = None,
     ) -> None:
@@ -72,11 +78,17 @@ class RewardScorer:
         self._weights = torch.tensor([term.weight for term in cfg.terms], dtype=torch.float64)
         self._functions: list[tuple[int, FunctionTerm]] = []
         self._models: list[_ModelTerm] = []
+        self._judges: list[JudgeTerm] = []
         self._pool: FunctionPool | None = None
         try:
             for index, term in enumerate(cfg.terms):
                 kind, arg = parse_term(term.name)
-                if kind == "model":
+                if term.judge is not None:
+                    backend = self._judge_backend(index, judge_options or {}, log_file)
+                    self._judges.append(
+                        JudgeTerm(index, term.name, term.judge, backend, cfg.on_error)
+                    )
+                elif kind == "model":
                     # Absolute: an actor's working directory need not be the driver's.
                     path = os.path.abspath(arg)
                     model = _ModelTerm(index, term.name, path, self._start_actor(path))
@@ -91,6 +103,22 @@ class RewardScorer:
             self.close()
             raise
 
+    def _judge_backend(self, index: int, options: dict, log_file: str | None) -> JudgeBackend:
+        """Term `index`'s judge: its endpoint's client, or its local engine's actor (started
+        here, waited for with the reward models)."""
+        judge = self.cfg.terms[index].judge
+        assert judge is not None
+        if judge.url:
+            return RemoteJudge(judge, judge_key(index))
+        label = self.labels[index]
+        judge_log = (
+            None
+            if log_file is None
+            else os.path.join(os.path.dirname(log_file), f"judge-{label}.log")
+        )
+        path = os.path.abspath(judge.model)  # an actor's working directory need not be ours
+        return LocalJudgeActor(label, path, judge, options, judge_log, self._retries)
+
     def _start_actor(self, path: str) -> ActorHandle:
         return RewardModelWorker.options(**self._model_options).remote(
             path, self.cfg.model_batch_size
@@ -100,6 +128,9 @@ class RewardScorer:
         # All actors were started first, so they load their models at the same time.
         for model in self._models:
             self._wait_ready(model)
+        for judge in self._judges:
+            if isinstance(judge.backend, LocalJudgeActor):
+                judge.backend.wait_ready(MODEL_STARTUP_TIMEOUT_S)
 
     @staticmethod
     def _wait_ready(model: _ModelTerm) -> None:
@@ -154,18 +185,22 @@ class RewardScorer:
         function term (the fraction of samples scored above 0), and `reward/errors` and
         `reward/timeouts`, the function calls of this batch that raised or ran out of time and
         scored 0 (errors also count the samples whose summed reward was not finite, e.g. a
-        reward model's NaN or a weighted sum that overflowed; they score 0) (with reward.on_error="fail" the first one raises RuntimeError instead). With
-        reward models, `reward/model_actor_errors`: how many times their actors died during
-        this batch and were replaced (the scores are still complete; one call's deaths past
-        `retries` raise RuntimeError instead). Like the other counts, a step sums it.
+        reward model's NaN or a weighted sum that overflowed, and judgements that failed; they
+        score 0) (with reward.on_error="fail" the first one raises RuntimeError instead). With
+        reward models or local judges, `reward/model_actor_errors`: how many times their actors
+        died during this batch and were replaced (the scores are still complete; one call's
+        deaths past `retries` raise RuntimeError instead). Like the other counts, a step sums
+        it. Each judge adds `reward/<label>_parse_errors`, `_request_errors`, `_retried_errors`
+        and `_cache_hit_rate` (rl.rewards.judge.JudgeTerm.metrics).
         """
         n = len(responses)
         if len(prompts) != n or len(examples) != n:
             raise ValueError(
                 f"{len(prompts)} prompts, {n} responses and {len(examples)} examples differ"
             )
-        # Started first: the reward models score while the pool runs the functions.
+        # Started first: the reward models and judges score while the pool runs the functions.
         model_refs = [(m, m.actor.score.remote(prompts, responses)) for m in self._models]
+        judged = [(j, j.start(prompts, responses, examples)) for j in self._judges]
         scores = torch.zeros(len(self.cfg.terms), n, dtype=torch.float64)
         counts = {"error": 0, "timeout": 0}
         if self._pool is not None and n:
@@ -193,6 +228,13 @@ class RewardScorer:
             values, deaths = self._model_scores(model, ref, prompts, responses)
             scores[model.index] = torch.tensor(values, dtype=torch.float64)
             actor_errors += deaths
+        judge_metrics: dict[str, float] = {}
+        for judge, finish in judged:
+            outcome = finish()
+            scores[judge.index] = torch.tensor(outcome.scores, dtype=torch.float64)
+            counts["error"] += len(outcome.failures)
+            actor_errors += outcome.actor_deaths
+            judge_metrics.update(judge.metrics(self.labels[judge.index], outcome))
         rewards = (self._weights @ scores).float()
         # Each term's score is finite, but a weighted sum can overflow (float32 tops out near
         # 3.4e38) and a reward model can return NaN: such a reward would poison every
@@ -213,8 +255,10 @@ class RewardScorer:
         metrics.update(self._accuracies(scores))
         metrics["reward/errors"] = float(counts["error"])
         metrics["reward/timeouts"] = float(counts["timeout"])
-        if self._models:  # only then: runs without reward models keep their metrics as they were
+        if self._models or any(isinstance(j.backend, LocalJudgeActor) for j in self._judges):
+            # Only then: runs without reward-model actors keep their metrics as they were.
             metrics["reward/model_actor_errors"] = float(actor_errors)
+        metrics.update(judge_metrics)
         return rewards, metrics
 
     def _accuracies(self, scores: torch.Tensor) -> dict[str, float]:
@@ -228,13 +272,16 @@ class RewardScorer:
         }
 
     def close(self) -> None:
-        """Stop the worker processes and the reward-model actors."""
+        """Stop the worker processes, the reward-model and judge actors, the judges' clients."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
         for model in self._models:
             ray.kill(model.actor)
         self._models = []
+        for judge in self._judges:
+            judge.close()
+        self._judges = []
 
     def __enter__(self) -> RewardScorer:
         return self

@@ -1,8 +1,9 @@
 """Reward term names: parsing, validation, and loading the functions they name.
 
 A term is `task` (the data task's scorer), a `VERIFIERS` name, `path/to/file.py:function`
-(a user's function, the path relative to the working directory or absolute) or `model:PATH`
-(an HF sequence-classification checkpoint). Function terms travel to the reward worker
+(a user's function, the path relative to the working directory or absolute), `model:PATH`
+(an HF sequence-classification checkpoint) or `judge` (a generative judge, configured in the
+term's `judge` section: rl.rewards.judge). Function terms travel to the reward worker
 processes as `FunctionTerm` values and are loaded there again.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -22,14 +23,15 @@ from rl.rewards.verifiers import VERIFIERS
 from rl.user_code import check_file_object, load_file_object, parse_file_ref
 
 RewardFn = Callable[[str, dict], float]
-TermKind = Literal["task", "verifier", "file", "model"]
+TermKind = Literal["task", "verifier", "file", "model", "judge"]
 MODEL_PREFIX = "model:"
+JUDGE = "judge"
 
 
 def _term_forms() -> str:
     return (
         f"'task', a verifier ({', '.join(VERIFIERS.names())}), "
-        "'path/to/file.py:function' or 'model:PATH'"
+        "'path/to/file.py:function', 'model:PATH' or 'judge'"
     )
 
 
@@ -37,6 +39,8 @@ def parse_term(name: str) -> tuple[TermKind, str]:
     """(kind, argument) of a term name: the verifier name, `path:function` or the model path."""
     if name == "task":
         return "task", ""
+    if name == JUDGE:
+        return "judge", ""
     if name.startswith(MODEL_PREFIX):
         path = name[len(MODEL_PREFIX) :]
         if not path:
@@ -97,7 +101,7 @@ class FunctionTerm:
                 f"reward term {name!r}", path, function
             )  # statically: it is imported by workers
             return cls(name, "file", path=os.path.abspath(path), function=function)
-        raise ValueError(f"reward term {name!r} is a reward model, not a function")
+        raise ValueError(f"reward term {name!r} is a reward model or a judge, not a function")
 
     def to_json(self) -> dict:
         """The term as JSON, for a reward worker (which never unpickles what crosses to it)."""
@@ -125,20 +129,31 @@ class FunctionTerm:
         return load_user_function(self.name, self.path, self.function)
 
 
-def check_reward_terms(cfg: RewardConfig) -> None:
+def check_reward_terms(cfg: RewardConfig, will_exist: Collection[str] = ()) -> None:
     """Validate `cfg` without starting anything; ValueError naming the bad term or field.
 
     User files are read, never imported here: they must parse and define their function at
     top level (their code runs only in the reward workers); model paths must be checkpoint
-    directories.
+    directories, except a judge's whose absolute path is in `will_exist` (a base the run
+    builds before it starts the judge); a judge's template must parse, and the environment
+    variable of its API key must be set (rl.rewards.judge.check_judge).
     """
+    from rl.rewards.judge import check_judge
+
     if not cfg.terms:
         raise ValueError(f"reward.terms is empty; a term is {_term_forms()}")
-    for term in cfg.terms:
+    for index, term in enumerate(cfg.terms):
         if not math.isfinite(term.weight):
             raise ValueError(f"reward term {term.name!r}: weight {term.weight} is not finite")
         kind, arg = parse_term(term.name)
-        if kind == "file":
+        if (kind == "judge") != (term.judge is not None):
+            raise ValueError(
+                f"reward.terms[{index}] ({term.name!r}): a term named 'judge' has a judge "
+                "section, and only such a term"
+            )
+        if term.judge is not None:
+            check_judge(index, term.judge, will_exist)
+        elif kind == "file":
             path, _, function = arg.rpartition(":")
             check_file_object(f"reward term {term.name!r}", path, function)
         elif kind == "model" and not (Path(arg) / "config.json").is_file():

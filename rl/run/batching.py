@@ -13,8 +13,8 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
     """Right-padded tensors for `samples`, advantages still zero.
 
     `old_logprobs` are the samples' recomputed proximal log-probs where the trainer side has
-    filled them, else the behaviour log-probs; reference log-probs and values come along when
-    every sample has them. Rows are built as lists and made tensors once: per-row tensor
+    filled them, else the behaviour log-probs; reference and teacher log-probs and values come
+    along when every sample has them. Rows are built as lists and made tensors once: per-row tensor
     writes are slow, and this runs on the driver's critical path.
     """
     max_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -51,6 +51,7 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
         advantages=torch.zeros_like(loss_mask),
         ref_logprobs=per_token("ref_logprobs"),
         old_values=per_token("values"),
+        teacher_logprobs=per_token("teacher_logprobs"),
     )
 
 

@@ -32,8 +32,9 @@ from rl.checkpoint.run_state import DriverState, RunCheckpoints
 from rl.checkpoint.store import checkpoint_root, newest_valid
 from rl.cluster.reservation import init_ray, reserve
 from rl.cluster.rollout_replicas import RolloutReplicas
-from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
+from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks, TeacherRanks
 from rl.config import Config
+from rl.config.recipe import check_teacher
 from rl.data.loading import (
     Examples,
     PromptStream,
@@ -76,6 +77,8 @@ def train(cfg: Config, resume_from: Path | None = None) -> dict[str, float]:
     configure_sandbox(cfg.sandbox)
     print(isolation_report(cfg), flush=True)
     ensure_base(cfg)
+    # A base the run just built is the student whose tokenizer the teacher must share.
+    check_teacher(cfg, f"run {cfg.run.name}")
     base_hashes = _base_hashes(cfg, resume_from)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = _Data.of(cfg, examples, tokenizer, limit)
@@ -177,6 +180,9 @@ def _run(
         critic = None
         if "critic" in plan.roles:
             critic = CriticRanks(cfg, placement, num_roles_sharing=num_roles)
+        teacher = None
+        if "teacher" in plan.roles:
+            teacher = TeacherRanks(cfg, placement, num_roles_sharing=num_roles)
         weight_sync = WeightSync(cfg, trainers, rollout)
         closers.append(weight_sync.close)
         print(
@@ -185,18 +191,22 @@ def _run(
             flush=True,
         )
         reward_bundle = plan.roles.get("reward_model", [0])[0]
+        judge_bundle = plan.roles.get("judge", [0])[0]
         scorer = StreamingScorer(
             cfg,
             RewardScorer(
                 cfg.reward,
                 task,
                 placement.actor_options(reward_bundle, num_roles),
+                judge_options=placement.actor_options(judge_bundle, num_roles),
                 retries=cfg.faults.reward_model_retries,
                 log_file=actor_log_file(cfg, "reward-workers"),
             ),
         )
         closers.append(scorer.close)
-        trainer_side = TrainerSide(cfg, trainers, critic, weight_sync, padding_id(tokenizer))
+        trainer_side = TrainerSide(
+            cfg, trainers, critic, weight_sync, padding_id(tokenizer), teacher=teacher
+        )
         closers.append(trainer_side.close)
         checkpoints = RunCheckpoints(cfg, run_dir, trainers, critic, base_hashes)
         state = None

@@ -2,8 +2,8 @@
 
 `StreamingScorer` scores one group at a time (with DAPO's overlong shaping, and truncated
 samples capped by their group's finished ones) off the driver's thread; `TrainerSide`
-computes the model annotations a step needs (proximal and reference log-probs, values) once
-its groups are in, then builds the batch (advantages, KL penalty,
+computes the model annotations a step needs (proximal, reference and teacher log-probs,
+values) once its groups are in, then builds the batch (advantages, KL penalty, distillation,
 off-policy weights) and trains. `prepare_batch` is the pure part, so the order of those steps can be
 read, and tested, in one place.
 """
@@ -18,6 +18,7 @@ import torch
 
 from rl.algorithms.advantages import ADVANTAGES
 from rl.algorithms.dapo import overlong_penalty
+from rl.algorithms.distill import reverse_kl, with_distillation
 from rl.algorithms.kl import KL_ESTIMATORS, adaptive_kl_coef
 from rl.algorithms.masked import at_last_token, masked_mean
 from rl.algorithms.off_policy import (
@@ -27,7 +28,7 @@ from rl.algorithms.off_policy import (
     recomputes_old_logprobs,
 )
 from rl.cluster.memory_plan import ModelShape
-from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks
+from rl.cluster.trainer_ranks import CriticRanks, PolicyRanks, TeacherRanks
 from rl.config import AlgorithmConfig, Config
 from rl.observe.flops import peak_flops, train_flops
 from rl.rewards import RewardScorer
@@ -109,10 +110,11 @@ def annotate_samples(
     pad_id: int,
     trainers: PolicyRanks,
     critic: CriticRanks | None,
+    teacher: TeacherRanks | None = None,
 ) -> list[Sample]:
-    """Fill each sample's proximal (when recomputed) and reference (when KL is on) log-probs
-    and critic values, from the trainer side's current weights, its agent episode's earlier
-    segments' too; returns `samples`."""
+    """Fill each sample's proximal (when recomputed) and reference (when KL is on) log-probs,
+    critic values and teacher log-probs (distillation), from the trainer side's current
+    weights, its agent episode's earlier segments' too; returns `samples`."""
     returned, samples = samples, with_segments(samples)
     batch = build_batch(samples, pad_id)
     if recomputes_old_logprobs(cfg):
@@ -129,6 +131,11 @@ def annotate_samples(
             samples, per_sample(critic.compute_values(batch), samples), strict=True
         ):
             sample.values = values
+    if teacher is not None:
+        for sample, values in zip(
+            samples, per_sample(teacher.compute_logprobs(batch), samples), strict=True
+        ):
+            sample.teacher_logprobs = values
     return returned
 
 
@@ -142,8 +149,10 @@ def prepare_batch(
 ) -> tuple[Batch, Batch, dict[str, float]]:
     """The training batches of annotated `samples` with sequence rewards `scores` [B]: KL
     penalty (at `kl_coef`, KLController's for the step: "kl/reward_penalty" is what it adapts
-    to), advantages, then off-policy weights (measured from the proximal log-probs). With the
-    `step` that trains them, the mismatch metrics are also given per sample age.
+    to), advantages, the distillation term on every sampled token of every row (an agent
+    episode's earlier segments' too), then off-policy weights (measured from the proximal
+    log-probs). With the `step` that trains them, the mismatch metrics are also given per
+    sample age.
 
     Returns the policy's batch, the critic's and metrics. They differ only in what the
     off-policy correction changes: the critic's batch keeps every response token in its loss
@@ -174,6 +183,17 @@ def prepare_batch(
     if segments and not ADVANTAGES.traits(algo.advantage).needs_critic:
         batch = stack(batch, _segment_batch(batch, samples, segments, pad_id), pad_id)
         mask = batch.loss_mask
+    if algo.distill_coef > 0:
+        assert batch.teacher_logprobs is not None, "distillation needs the teacher's log-probs"
+        # Against the behaviour log-probs: the policy that sampled each token, whichever
+        # version that was (scheduler.max_staleness), as the engine recorded it.
+        advantages = with_distillation(
+            batch.advantages, batch.behaviour_logprobs, batch.teacher_logprobs, mask, algo
+        )
+        batch = dataclasses.replace(batch, advantages=advantages)
+        metrics["distill/reverse_kl"] = reverse_kl(
+            batch.behaviour_logprobs, batch.teacher_logprobs, mask
+        ).item()
 
     correction = cfg.algorithm.off_policy
     if OFF_POLICY_CORRECTIONS.traits(correction).needs_proximal and not proximal_from_forward(cfg):
@@ -222,13 +242,18 @@ class TrainerSide:
         critic: CriticRanks | None,
         weight_sync: WeightSync,
         pad_id: int,
+        teacher: TeacherRanks | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainers, self.critic, self.weight_sync = trainers, critic, weight_sync
+        self.teacher = teacher
         self.pad_id = pad_id
         self.kl_controller = KLController(cfg.algorithm)
         self.needs_annotation = (
-            recomputes_old_logprobs(cfg) or cfg.algorithm.kl_coef > 0 or critic is not None
+            recomputes_old_logprobs(cfg)
+            or cfg.algorithm.kl_coef > 0
+            or critic is not None
+            or teacher is not None
         )
         self.keeps_pushed_weights = cfg.scheduler.keeps_pushed_weights
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
@@ -239,7 +264,13 @@ class TrainerSide:
 
     def annotate(self, samples: list[Sample]) -> Future:
         return self._thread.submit(
-            annotate_samples, self.cfg, samples, self.pad_id, self.trainers, self.critic
+            annotate_samples,
+            self.cfg,
+            samples,
+            self.pad_id,
+            self.trainers,
+            self.critic,
+            self.teacher,
         )
 
     def train(self, step: int, samples: list[Sample], scores: list[float]) -> Future:
@@ -257,7 +288,9 @@ class TrainerSide:
         advantages are its own: the config checks refuse estimators that whiten over the step)
         and its gradients added to the step's, in an order-independent exact sum."""
         if self.needs_annotation:
-            annotate_samples(self.cfg, samples, self.pad_id, self.trainers, self.critic)
+            annotate_samples(
+                self.cfg, samples, self.pad_id, self.trainers, self.critic, self.teacher
+            )
         batch, _, _ = prepare_batch(self.cfg, samples, scores, self.pad_id, self.kl_controller.coef)
         self.trainers.accumulate_chunk(batch, samples[0].group_id)
         return samples
@@ -301,6 +334,8 @@ class TrainerSide:
         self.trainers.release_memory()
         if self.critic is not None:
             self.critic.release_memory()
+        if self.teacher is not None:
+            self.teacher.release_memory()
 
     def replace_rollout_worker(self, worker: int, version: int) -> None:
         """A fresh rollout worker for a lost one, serving `version`. Like `push`, on the

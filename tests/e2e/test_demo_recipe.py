@@ -1,13 +1,17 @@
 """The demo recipe, run as `make demo` runs it, with fewer steps: base build, GRPO, export,
-and `rl report` on the run."""
+and `rl report` on the run; then the distillation recipe, its teacher the demo run's policy."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.observe.report import build_figures, read_metrics
@@ -18,7 +22,13 @@ from tests.helpers.tracker_files import same_metrics, tensorboard_scalars, wandb
 pytestmark = pytest.mark.e2e
 
 
-def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """The demo recipe's run under a directory of its own: (that directory, `rl train`'s
+    result)."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     overrides = [
         f"model.path={tmp_path / 'base'}",
         f"data.dir={tmp_path / 'data'}",
@@ -29,7 +39,13 @@ def test_demo_recipe_builds_its_base_trains_and_exports(tmp_path: Path) -> None:
         "run.num_eval_prompts=32",
         "run.wandb_mode=offline",
     ]
-    result = run_rl("train", "recipes/grpo_addition_cpu.yaml", *overrides)
+    return tmp_path, run_rl("train", "recipes/grpo_addition_cpu.yaml", *overrides)
+
+
+def test_demo_recipe_builds_its_base_trains_and_exports(
+    demo_run: tuple[Path, subprocess.CompletedProcess],
+) -> None:
+    tmp_path, result = demo_run
     assert result.returncode == 0, result.stderr[-4000:]
     assert "held-out greedy accuracy before RL:" in result.stdout
     # The console shows the driver's lines only: the workers' output went to the run's logs/.
@@ -144,3 +160,51 @@ def _check_report(run_dir: Path) -> None:
     assert {"generate", "train", "sync"} <= phases
     timeline = figures["timeline.png"].axes[0]
     assert [t.get_text() for t in timeline.get_yticklabels()][:2] == ["rollout-0", "trainer"]
+
+
+def test_distill_recipe_builds_a_smaller_student_and_trains_it_from_the_demos_policy(
+    demo_run: tuple[Path, subprocess.CompletedProcess],
+) -> None:
+    """The demo run's exported policy is the teacher; the recipe builds its own student base
+    (a smaller model, the demo's tokenizer settings), checks that the two share a tokenizer,
+    and trains the student on the teacher's per-token log-probs with real teacher ranks."""
+    tmp_path, demo = demo_run
+    assert demo.returncode == 0, demo.stderr[-4000:]
+    teacher = tmp_path / "runs" / "grpo-addition" / "hf"
+    student = tmp_path / "student"
+    overrides = [
+        f"model.path={student}",
+        f"teacher.path={teacher}",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "base.sft_steps=25",
+        "teacher.num_workers=1",
+        "run.num_steps=2",
+        "run.prompts_per_step=8",
+        "run.num_eval_prompts=0",
+        "run.wandb_mode=disabled",
+        "run.tensorboard=false",
+    ]
+    result = run_rl("train", "recipes/distill_addition_cpu.yaml", *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    base = json.loads((student / "base_info.json").read_text())
+    teacher_size = sum(t.numel() for t in load_file(teacher / "model.safetensors").values())
+    assert base["num_parameters"] < teacher_size / 2
+    assert AutoTokenizer.from_pretrained(student).get_vocab() == (
+        AutoTokenizer.from_pretrained(teacher).get_vocab()
+    )
+
+    run_dir = tmp_path / "runs" / "distill-addition"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records[1:]:
+        # The teacher scored every sampled token: the student's reverse KL to it, on its own
+        # samples, is an estimate of a divergence between two different models.
+        assert math.isfinite(record["distill/reverse_kl"]) and record["distill/reverse_kl"] != 0
+        assert math.isfinite(record["actor/pg_loss"]) and record["actor/grad_norm"] > 0
+    check_metric_keys(records)
+    logs = sorted(path.name for path in (run_dir / "logs").iterdir())
+    assert "teacher-0.log" in logs, logs
+    before = load_file(student / "model.safetensors")
+    after = load_file(run_dir / "hf" / "model.safetensors")
+    assert any(not torch.equal(before[name], after[name]) for name in before)

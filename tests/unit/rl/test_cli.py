@@ -386,3 +386,35 @@ def test_require_refuses_to_train_without_full_isolation_naming_what_is_missing(
     assert run.returncode == 2, run.stderr
     assert "error: sandbox.require is set" in run.stderr and "network NOT isolated" in run.stderr
     assert "started a local Ray" not in run.stdout and not any(tmp_path.iterdir())
+
+
+def test_a_teacher_refused_once_the_run_has_built_its_base_exits_with_the_message(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The student base a run builds is compared with the teacher only once built, inside
+    train: its ConfigError is a user's error like the ones found before (exit 2, the message),
+    not a traceback."""
+    import types
+
+    from rl.cli import main
+    from rl.config.recipe import ConfigError
+
+    def train(cfg, resume_from):
+        raise ConfigError(f"run {cfg.run.name}: teacher.path={cfg.teacher.path!r} differs")
+
+    driver = types.ModuleType("rl.run.driver")
+    driver.train, driver.RunAborted = train, RuntimeError
+    monkeypatch.setitem(sys.modules, "rl.run.driver", driver)
+    code = main(
+        [
+            "train",
+            "recipes/distill_addition_cpu.yaml",
+            f"model.path={tmp_path / 'student'}",  # built by the run (base.build_if_missing)
+            f"teacher.path={tiny_model_dir}",
+            f"run.output_dir={tmp_path / 'runs'}",
+        ]
+    )
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: run distill-addition: teacher.path='{tiny_model_dir}' differs\n"
+    )

@@ -114,3 +114,13 @@ def test_a_tampered_record_is_refused_naming_where(tamper) -> None:
     tamper(record)
     with pytest.raises(ValueError, match=r"ckpt/driver.json \(in_flight\) is not a record"):
         in_flight_from_json(record, "ckpt/driver.json (in_flight)", None)
+
+
+def test_the_teachers_log_probs_are_left_out_and_scored_again_on_resume() -> None:
+    """A frozen teacher scores the same tokens the same way after a resume: its annotation is
+    not written, as the reference's is not."""
+    sample = Sample([1, 2], 3, 0, [7, 8], [-0.5, -0.25], [1, 1], "stop", "78")
+    sample.teacher_logprobs = [-0.75, -1.0]
+    (group,) = _through_json(_state(sample)).groups
+    assert group.samples[0].teacher_logprobs is None and not group.annotated
+    assert group.samples[0].logprobs == [-0.5, -0.25]

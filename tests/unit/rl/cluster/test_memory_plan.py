@@ -4,6 +4,7 @@ plan fits the devices it is told about, with a fix named when it does not."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from rl.cluster.memory_plan import (
     PlanDoesNotFit,
     check_fits,
     largest_bucket_bytes,
+    teacher_rank,
     trainer_rank,
 )
 from rl.config import Config
@@ -273,3 +275,38 @@ def test_lora_holds_the_frozen_base_once_and_trains_only_the_adapters(tmp_path: 
     other = _gpu_config(model={"lora": {"rank": 16, "target_modules": ["qkv_proj"]}})
     with pytest.raises(ValueError, match="names 'qkv_proj'.* linear modules are"):
         trainer_rank(other, shape)
+
+
+def _needed_gib(report: str) -> float:
+    return float(re.search(r"([\d.]+) GiB needed", report.splitlines()[-1])[1])
+
+
+def test_a_distillation_teacher_holds_its_shard_beside_the_trainers_state(tmp_path: Path) -> None:
+    student = _shape(tmp_path, QWEN_05B)
+    (tmp_path / "teacher").mkdir()
+    teacher = _shape(tmp_path / "teacher", QWEN_7B)
+    distill = {"teacher": {"path": "t"}, "algorithm": {"group_size": 8, "distill_coef": 1.0}}
+    cfg = _gpu_config(**distill)
+    rank = teacher_rank(cfg, teacher)
+    # Qwen2.5-7B's published 7.62B parameters in fp32, sharded over the 8 teacher ranks.
+    assert rank.parts["params"] == 4 * 7_615_616_512 / 8
+    alone = check_fits(_gpu_config(), student, 80 * GIB, on_gpu=True)
+    beside = check_fits(cfg, student, 80 * GIB, on_gpu=True, teacher_shape=teacher)
+    assert "teacher rank: params 3.55" in beside
+    resident = (rank.total - rank.parts["activations"]) / GIB
+    assert _needed_gib(beside) == pytest.approx(_needed_gib(alone) + resident, abs=0.011)
+
+
+def test_a_teacher_on_devices_of_its_own_must_fit_one(tmp_path: Path) -> None:
+    student = _shape(tmp_path, QWEN_05B)
+    (tmp_path / "teacher").mkdir()
+    teacher = _shape(tmp_path / "teacher", QWEN_7B)
+    cfg = _gpu_config(
+        teacher={"path": "t", "num_workers": 1, "devices": 1},
+        algorithm={"group_size": 8, "distill_coef": 1.0},
+        scheduler={"placement": "split"},
+    )
+    with pytest.raises(PlanDoesNotFit, match="a teacher rank exceeds a device of its own"):
+        check_fits(cfg, student, 24 * GIB, on_gpu=True, teacher_shape=teacher)
+    cfg.teacher.num_workers = cfg.teacher.devices = 4  # 7.6 GB of weights each
+    check_fits(cfg, student, 24 * GIB, on_gpu=True, teacher_shape=teacher)

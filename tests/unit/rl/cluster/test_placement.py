@@ -143,3 +143,36 @@ def test_devices_per_node_cuts_each_pool_into_node_blocks_that_keep_tp_groups_wh
         )
     )
     assert split.node_blocks == [[0, 1], [2], [3, 4]]
+
+
+def test_a_distillation_teacher_is_a_group_of_its_own_on_the_trainers_devices() -> None:
+    teacher = {"path": "t"}
+    plan = plan_placement(_config(trainer={"num_workers": 2}, teacher=teacher))
+    assert plan.roles == {"rollout": [0], "trainer": [0, 1], "teacher": [0, 1]}
+    assert plan.num_roles_sharing == 3 and plan.node_blocks == [[0, 1]]
+    assert plan.trace_lanes()["trainer"] == [0, 1]
+    # More teacher ranks than trainer ranks widen the colocated pool, as a critic's would.
+    wide = plan_placement(
+        _config(trainer={"num_workers": 2}, teacher={**teacher, "num_workers": 4})
+    )
+    assert wide.roles["teacher"] == [0, 1, 2, 3] and wide.num_devices == 4
+    split = plan_placement(
+        _config(trainer={"num_workers": 2}, teacher=teacher, scheduler={"placement": "split"})
+    )
+    assert split.roles == {"rollout": [0], "trainer": [1, 2], "teacher": [1, 2]}
+    assert split.num_devices == 3
+
+
+def test_split_gives_a_teacher_with_devices_its_own_pool_after_the_trainers() -> None:
+    plan = plan_placement(
+        _config(
+            trainer={"num_workers": 2},
+            teacher={"path": "t", "num_workers": 2, "devices": 2},
+            scheduler={"placement": "split", "devices_per_node": 4},
+        )
+    )
+    assert plan.roles == {"rollout": [0], "trainer": [1, 2], "teacher": [3, 4]}
+    assert plan.num_devices == 5 and plan.num_roles_sharing == 1
+    assert plan.node_blocks == [[0], [1, 2], [3, 4]]
+    assert plan.trace_lanes()["trainer"] == [1, 2, 3, 4]
+    assert "teacher: 2 actor(s) on bundles [3, 4]" in plan.describe()

@@ -13,6 +13,7 @@ from rl.config.recipe import ConfigError, check_inputs, dry_run_report, load_con
 from rl.data.prompts import padding_id
 from tests.helpers.models import build_checkpoint, build_tiny_checkpoint, remove_pad_token
 from tests.helpers.repo import REPO, shipped_recipes
+from trainer.hf_model import train_tokenizer
 
 
 def test_every_shipped_recipe_validates() -> None:
@@ -373,3 +374,74 @@ def test_a_masking_band_that_excludes_ratio_one_is_refused_naming_its_keys(
     # Tokens whose engine and trainer agree exactly (ratio 1) must stay in the loss.
     with pytest.raises(ConfigError, match=rf"grpo_addition_cpu.yaml: {named} must bracket 1"):
         load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["algorithm.distill_coef=1"], r"distils from a teacher: set teacher.path"),
+        (["teacher.path=t"], r"teacher.path='t' would be loaded for nothing"),
+        (["teacher.path=t", "algorithm.distill_coef=-1"], r"distill_coef must be >= 0"),
+        (
+            ["teacher.path=t", "algorithm.distill_coef=1", "algorithm.distill_loss=forward_kl"],
+            r"algorithm.distill_loss='forward_kl' is not one of reverse_kl",
+        ),
+        (
+            ["teacher.path=t", "algorithm.distill_coef=1", "teacher.devices=1"],
+            r"teacher.devices=1 .* needs scheduler.placement=split",
+        ),
+    ],
+)
+def test_distillation_settings_without_their_counterpart_are_refused(
+    overrides: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+
+
+def _distill_config(student: Path, teacher: Path) -> Config:
+    recipe = REPO / "recipes/distill_addition_cpu.yaml"
+    overrides = [f"model.path={student}", f"teacher.path={teacher}"]
+    return load_config(recipe, [*overrides, "base.build_if_missing=false"])
+
+
+def test_a_teacher_of_another_size_sharing_the_students_tokenizer_is_accepted(
+    tmp_path: Path,
+) -> None:
+    student = build_tiny_checkpoint(tmp_path / "student", tie_word_embeddings=False)
+    teacher = build_checkpoint(
+        tmp_path / "teacher", "qwen2", tie_word_embeddings=True, hidden_size=128
+    )
+    check_inputs(_distill_config(student, teacher), "recipe.yaml")
+
+
+def test_a_teacher_whose_tokenizer_reads_ids_otherwise_is_refused_naming_teacher_path(
+    tmp_path: Path,
+) -> None:
+    student = build_tiny_checkpoint(tmp_path / "student", tie_word_embeddings=False)
+    teacher = build_tiny_checkpoint(tmp_path / "teacher", tie_word_embeddings=False)
+    # Merges of words (the student's arithmetic, its digits split, has none): the teacher reads
+    # ids past the bytes and special tokens as tokens the student's vocabulary lacks.
+    train_tokenizer(["the cat sat on the mat"] * 50, 280).save_pretrained(teacher)
+    with pytest.raises(
+        ConfigError,
+        match=r"recipe.yaml: teacher.path=.*teacher' does not share the tokenizer of "
+        r"model.path=.*student' \(vocabularies of 260 and \d+ tokens differ, first at id 260",
+    ):
+        check_inputs(_distill_config(student, teacher), "recipe.yaml")
+
+
+def test_a_teacher_with_another_chat_template_is_refused(tmp_path: Path) -> None:
+    student = build_tiny_checkpoint(tmp_path / "student", tie_word_embeddings=False)
+    teacher = build_tiny_checkpoint(tmp_path / "teacher", tie_word_embeddings=False)
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(teacher)
+    with pytest.raises(ConfigError, match=r"teacher.path=.* \(chat templates differ\)"):
+        check_inputs(_distill_config(student, teacher), "recipe.yaml")
+
+
+def test_a_missing_teacher_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    student = build_tiny_checkpoint(tmp_path / "student", tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=r"teacher.path=.*absent' is not a Hugging Face"):
+        check_inputs(_distill_config(student, tmp_path / "absent"), "recipe.yaml")

@@ -369,3 +369,71 @@ def test_mfu_is_the_batchs_model_flops_a_token_times_the_tokens_a_second(
         side.close()
     assert batches == [[4, 3]]  # prompt and response tokens of each sample
     assert metrics["perf/train_tflops"] == 2.0  # 14e12 FLOPs over 7 tokens, at 1 token/s
+
+
+class _Teacher:
+    """A teacher whose log-prob of every token is 0.25 below the behaviour's (0 off the
+    sampled tokens, as the real one's is at padding)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        self.batches.append(batch)
+        return (batch.behaviour_logprobs - 0.25) * batch.loss_mask
+
+
+def test_the_teacher_scores_every_sample_and_an_episodes_earlier_segments() -> None:
+    cfg = _config(distill_coef=1.0)
+    trainers, teacher = _Trainers(shift=1.0), _Teacher()
+    samples = annotate_samples(cfg, _segmented(), 0, trainers, None, teacher)
+    assert trainers.calls == []  # no proximal pass, no reference: the teacher alone
+    assert len(teacher.batches) == 1 and teacher.batches[0].num_sequences == 3
+    assert [s.teacher_logprobs for s in samples] == [[-0.75, -0.75], [-0.75]]
+    assert samples[0].episode.segments[0].teacher_logprobs == [-0.5, 0.0, -1.0]
+    assert all(s.ref_logprobs is None and s.old_logprobs is None for s in samples)
+
+
+def test_distillation_adds_teacher_minus_behaviour_to_each_sampled_tokens_task_advantage() -> None:
+    cfg = _config(distill_coef=0.5)
+    samples = _segmented()
+    # Behaviour: -0.5 on the samples' tokens; the segment's [-0.25, (inserted) 0.0, -0.75].
+    samples[0].teacher_logprobs, samples[1].teacher_logprobs = [-0.1, -2.5], [-0.5]
+    segment = samples[0].episode.segments[0]
+    segment.teacher_logprobs = [-1.25, 7.0, -0.5]  # the inserted token's is never used
+    batch, critic_batch, metrics = prepare_batch(cfg, samples, [1.0, 0.0], 0, 0.0)
+    # GRPO over the two episodes' scores, then 0.5 (teacher - behaviour) on every sampled token.
+    scores = torch.tensor([1.0, 0.0])
+    grpo = ((scores - scores.mean()) / (scores.std() + 1e-6)).tolist()
+    assert batch.advantages[0, 1:3].tolist() == pytest.approx(
+        [grpo[0] + 0.5 * (-0.1 + 0.5), grpo[0] + 0.5 * (-2.5 + 0.5)]
+    )
+    assert batch.advantages[1, 1].item() == pytest.approx(grpo[1])  # the teacher agrees
+    assert batch.advantages[2, 2:5].tolist() == pytest.approx(
+        [grpo[0] + 0.5 * (-1.25 + 0.25), 0.0, grpo[0] + 0.5 * (-0.5 + 0.75)]
+    )
+    assert batch.advantages[batch.loss_mask == 0].abs().sum() == 0
+    # behaviour - teacher over the five sampled tokens.
+    assert metrics["distill/reverse_kl"] == pytest.approx((-0.4 + 2.0 + 0.0 + 1.0 - 0.25) / 5)
+    # The critic's targets do not change: its batch keeps the task's advantages.
+    assert critic_batch.advantages[0, 1:3].tolist() == pytest.approx([grpo[0], grpo[0]])
+
+
+def test_with_the_task_rewards_weight_zero_the_advantage_is_the_teachers_alone() -> None:
+    """Pure distillation: every score 0, so GRPO's group advantage is exactly 0."""
+    cfg = _config(distill_coef=1.0)
+    samples = _samples()
+    samples[0].teacher_logprobs, samples[1].teacher_logprobs = [-0.1, -2.5], [-3.0]
+    batch, _, _ = prepare_batch(cfg, samples, [0.0, 0.0], 0, 0.0)
+    assert batch.advantages.flatten().tolist() == pytest.approx([0, 0.4, -2.0, 0, -2.5, 0])
+
+
+def test_a_trainer_side_with_a_teacher_annotates_its_steps(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # no shape: no MFU
+    cfg = _config(distill_coef=1.0)
+    cfg.model.path = str(tmp_path)
+    side = TrainerSide(cfg, _Ranks(), None, None, 0, teacher=_Teacher())
+    try:
+        assert side.needs_annotation
+    finally:
+        side.close()
