@@ -15,6 +15,7 @@ from ray.actor import ActorHandle
 from rl.config.tree import JudgeConfig
 from rl.observe.actor_logs import redirect_output
 from rl.rewards.judge_local import LocalJudge, Reply
+from rl.rewards.model_worker import wait_ready
 
 SEED = 0  # every verdict is seeded by its input too (rl.rewards.judge_local)
 
@@ -59,14 +60,7 @@ class LocalJudgeActor:
         return JudgeWorker.options(**self._options).remote(*self._args)
 
     def wait_ready(self, timeout_s: float) -> None:
-        try:
-            ray.get(self.actor.ready.remote(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise RuntimeError(
-                f"reward term {self._name!r}: the judge's actor did not start within "
-                f"{timeout_s:.0f} s (are its resources free? cluster has "
-                f"{ray.available_resources()})"
-            ) from e
+        wait_ready(self.actor, f"reward term {self._name!r}: the judge's actor", timeout_s)
 
     def submit(self, texts: list[str]) -> Callable[[], tuple[list[Reply], int, int]]:
         ref = self.actor.judge.remote(texts)

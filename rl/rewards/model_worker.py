@@ -7,8 +7,21 @@ num_gpus=..., scheduling_strategy=...)`).
 from __future__ import annotations
 
 import ray
+from ray.actor import ActorHandle
 
 from rl.rewards.model import RewardModel
+
+
+def wait_ready(actor: ActorHandle, what: str, timeout_s: float) -> None:
+    """Return once `actor` (a reward model's or a judge's, whose `ready` returns when its model
+    is loaded) is ready; RuntimeError naming `what` after `timeout_s`."""
+    try:
+        ray.get(actor.ready.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise RuntimeError(
+            f"{what} did not start within {timeout_s:.0f} s (are its resources free? cluster "
+            f"has {ray.available_resources()})"
+        ) from e
 
 
 @ray.remote

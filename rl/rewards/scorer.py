@@ -22,7 +22,7 @@ from rl.data.tasks import Task
 from rl.rewards.judge import JudgeBackend, JudgeTerm, judge_key
 from rl.rewards.judge_remote import RemoteJudge
 from rl.rewards.judge_worker import LocalJudgeActor
-from rl.rewards.model_worker import RewardModelWorker
+from rl.rewards.model_worker import RewardModelWorker, wait_ready
 from rl.rewards.pool import Failure, FunctionPool
 from rl.rewards.terms import FunctionTerm, check_reward_terms, parse_term, term_label
 
@@ -127,21 +127,14 @@ class RewardScorer:
     def _wait_for_models(self) -> None:
         # All actors were started first, so they load their models at the same time.
         for model in self._models:
-            self._wait_ready(model)
+            wait_ready(
+                model.actor,
+                f"reward term {model.name!r}: the reward-model actor",
+                MODEL_STARTUP_TIMEOUT_S,
+            )
         for judge in self._judges:
             if isinstance(judge.backend, LocalJudgeActor):
                 judge.backend.wait_ready(MODEL_STARTUP_TIMEOUT_S)
-
-    @staticmethod
-    def _wait_ready(model: _ModelTerm) -> None:
-        try:
-            ray.get(model.actor.ready.remote(), timeout=MODEL_STARTUP_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as e:
-            raise RuntimeError(
-                f"reward term {model.name!r}: the reward-model actor did not start within "
-                f"{MODEL_STARTUP_TIMEOUT_S:.0f} s (are its resources free? cluster has "
-                f"{ray.available_resources()})"
-            ) from e
 
     def _replace_actor(self, model: _ModelTerm) -> None:
         """A fresh actor for `model`, like the first one, loaded and ready."""
@@ -149,7 +142,11 @@ class RewardScorer:
         # placement-group bundle) for the replacement, which needs the same ones.
         ray.kill(model.actor)
         model.actor = self._start_actor(model.path)
-        self._wait_ready(model)
+        wait_ready(
+            model.actor,
+            f"reward term {model.name!r}: the reward-model actor",
+            MODEL_STARTUP_TIMEOUT_S,
+        )
 
     def _model_scores(
         self, model: _ModelTerm, ref: ray.ObjectRef, prompts: list[str], responses: list[str]
