@@ -17,8 +17,9 @@ distillation (the task reward's weight 0) and the same recipe without a teacher
 (teacher.path='', algorithm.distill_coef=0: GRPO alone on the task reward), each for --steps
 steps with a held-out evaluation every --every; key=value overrides go to every run. Prints
 markdown: each run's accuracy at every evaluation, and the first step at which it reached
-90% of the teacher's accuracy and a few lower marks. --tables-only prints them from the runs
-already under .cache/bench/runs.
+90% of the teacher's accuracy and a few lower marks. The runs are named by the student's
+model.path (another student: model.path=... base.hidden_size=... as overrides), and
+--tables-only prints the tables from a student's runs already under .cache/bench/runs.
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def compare(args: argparse.Namespace, extra: list[str]) -> None:
     overrides = [f"run.num_steps={args.steps}", f"run.eval_every={args.every}", *extra]
     pure = [*overrides, "reward.terms=[{name: task, weight: 0}]"]
     alone = [*overrides, "teacher.path=''", "algorithm.distill_coef=0"]
+    # Runs are named by their student, so measuring another student keeps the last one's runs.
+    name = f"bench-distill-{Path(cfg.model.path).name}"
     measured = {
-        "distillation + task reward (the recipe)": ("bench-distill", overrides),
-        "pure distillation (task weight 0)": ("bench-distill-pure", pure),
-        "GRPO alone (no teacher)": ("bench-distill-grpo", alone),
+        "distillation + task reward (the recipe)": (name, overrides),
+        "pure distillation (task weight 0)": (f"{name}-pure", pure),
+        "GRPO alone (no teacher)": (f"{name}-grpo", alone),
     }
     runs = {
         label: recorded(name) if args.tables_only else train(RECIPE, name, runs_overrides)
@@ -179,7 +182,7 @@ def main() -> None:
     two = sub.add_parser("compare")
     two.add_argument("--steps", type=int, default=1000)
     two.add_argument("--every", type=int, default=10)
-    two.add_argument("--tables-only", action="store_true", help="no runs: tables of the last")
+    two.add_argument("--tables-only", action="store_true", help="no runs: tables of the runs already there")
     args, extra = parser.parse_known_args()
     if args.stage == "teacher":
         teacher(args)
