@@ -75,7 +75,7 @@ from rollout.agent_loop import AgentLoop
 from rollout.api_agent_loop import ApiAgentLoop
 from rollout.engine_loop import GenerationLoop
 from rollout.engines.vllm_engine import VLLMEngine, _configure_environment, engine_args
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import new_model, save_hf_atomic, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".cache" / "bench" / "qwen2-25m-scripted-agent"
@@ -156,7 +156,7 @@ def bigram_table(tokenizer: PreTrainedTokenizerBase, vocab: int) -> torch.Tensor
 
 def scripted_model(tokenizer: PreTrainedTokenizerBase, shape: BaseBuildConfig) -> Qwen2ForCausalLM:
     """A Qwen2 of `shape` whose logits at a position are bigram_table's row for its token."""
-    model = new_qwen2(shape, tokenizer, seed=SEED)
+    model = new_model(shape, tokenizer, seed=SEED)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     assert vocab <= hidden, "orthogonal embeddings need vocab <= hidden size"
     generator = torch.Generator().manual_seed(SEED)

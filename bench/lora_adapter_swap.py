@@ -36,7 +36,7 @@ import torch
 from rl.config import BaseBuildConfig, LoraConfig, RolloutConfig
 from rollout.engines.vllm_engine import _configure_environment, engine_args
 from rollout.weight_receiver import adapter_keys_model, adapter_names
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import new_model, save_hf_atomic, train_tokenizer
 
 SHAPE = BaseBuildConfig(
     vocab_size=260,
@@ -89,7 +89,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lora-swap-"))
     try:
         tokenizer = train_tokenizer([f"{i}+{i + 1}={2 * i + 1}" for i in range(2000)], 260)
-        base = new_qwen2(SHAPE, tokenizer, seed=0)
+        base = new_model(SHAPE, tokenizer, seed=0)
         model_dir = save_hf_atomic(base, tokenizer, work / "model")
         lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
         peft_model = get_peft_model(base, lora.peft_config())

@@ -173,6 +173,12 @@ class Sample:
     # On-policy distillation (rl.run.experience): the frozen teacher's log-prob of each response
     # token, at the sampling temperature; filled with the other annotations.
     teacher_logprobs: list[float] | None = None
+    # Mixture-of-experts policies with model.routing_replay (rl.expert_routing): the experts
+    # the engine's routers chose, [positions, MoE layers, top-k] ids (uint8 or int16), one row
+    # per position of prompt + response the engine ran, in order from position 0; the last
+    # token is never run, so a finished sample holds one row fewer than its tokens. Each row
+    # is recorded once, by the policy version that ran that position first.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def sampled_mask(self) -> list[int]:
@@ -226,6 +232,9 @@ class Batch:
     returns: torch.Tensor | None = None  # [B, T-1] float, value targets (PPO critic)
     old_values: torch.Tensor | None = None  # [B, T-1] float, critic values at generation
     teacher_logprobs: torch.Tensor | None = None  # [B, T-1] float, distillation's teacher
+    # [B, T, MoE layers, top-k] int16 per input position: the experts to route to (the rollout
+    # engine's choice, rl.expert_routing), -1 where the router chooses (padding, unrecorded).
+    routing: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -277,6 +286,24 @@ class PolicyObjective(Protocol):
         self, logprobs: torch.Tensor, entropy: torch.Tensor, batch: Batch, denominator: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch divided by `denominator`, and its detached metrics."""
+        ...
+
+    # A mixture of experts: per MoE layer of one forward, the router logits [N, E] and the
+    # experts the tokens were routed to [N, k], over the tokens of `mask` [N].
+    def router_loss(
+        self, logits: list[torch.Tensor], experts: list[torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The router losses' term (0 when their coefficients are): a mean over the tokens."""
+        ...
+
+    def router_tally(
+        self, logits: list[torch.Tensor], experts: list[torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert-load counts and loss sums that add over micro-batches and ranks."""
+        ...
+
+    def router_metrics(self, tally: torch.Tensor) -> dict[str, float]:
+        """The moe/* metrics of a sum of `router_tally`s."""
         ...
 
 

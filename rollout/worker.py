@@ -40,9 +40,10 @@ class RolloutWorker:
         log_file: str | None = None,
         lora: LoraConfig | None = None,
         sandbox: SandboxConfig | None = None,
+        record_routing: bool = False,
     ) -> None:
         configure_sandbox(sandbox or SandboxConfig())  # for an agent's tools and environment
-        self._args = (model_path, cfg, dtype, seed, lora)
+        self._args = (model_path, cfg, dtype, seed, lora, record_routing)
         self._agent = agent if agent is not None and agent.enabled else None
         self._log_file = log_file
         self._loop: GenerationLoop | AgentLoop | ApiAgentLoop | None = None

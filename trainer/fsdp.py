@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from kernels import logprobs, naive_logprobs
 from rl.config import LoraConfig, ModelConfig, TrainerConfig
+from rl.expert_routing import ExpertRouting, moe_routers
 from trainer.packing import IGNORE, ModelInput
 from trainer.rank_local_load import (
     LORA_ADAPTERS,
@@ -44,13 +45,20 @@ class LogProbModel(nn.Module):
         super().__init__()
         self.model = model
         self.cfg = cfg
+        # A mixture of experts: hooks on its routers replay the inputs' recorded experts and
+        # keep each layer's last router call (logits, natural and used experts).
+        self.routing = ExpertRouting(model) if moe_routers(model) else None
 
     def forward(self, inputs: ModelInput, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob, entropy) [B, T-1] fp32 of the micro-batch `inputs` was built from.
 
         Position t scores input_ids[:, t+1] under softmax(logits_t / temperature); padding
-        targets are skipped by the kernel and score 0.
+        targets are skipped by the kernel and score 0. A mixture of experts routes each
+        position to `inputs.routing`'s experts where it has them.
         """
+        if self.routing is not None:
+            routing = inputs.routing
+            self.routing.replay = None if routing is None else routing.flatten(0, 1).long()
         out = self.model.get_decoder()(
             input_ids=inputs.input_ids,
             attention_mask=inputs.attention_mask,

@@ -1,4 +1,4 @@
-"""Hugging Face building blocks: a locally trained tokenizer, a fresh Qwen2, atomic saves.
+"""Hugging Face building blocks: a locally trained tokenizer, a fresh decoder, atomic saves.
 
 There is no model hub here, so the tiny "pretrained" checkpoints of the CPU recipes and the
 tests are made from these pieces; real runs point `model.path` at any local HF directory.
@@ -14,7 +14,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from rl.config import BaseBuildConfig, LoraConfig
 
@@ -65,10 +74,41 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
 
 
-def new_qwen2(
+# base.architecture -> the HF config and model classes `new_model` builds.
+ARCHITECTURES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+}
+
+
+def _architecture_sizes(cfg: BaseBuildConfig) -> dict:
+    """The HF config keys of `cfg.architecture` beyond a dense decoder's."""
+    if cfg.architecture == "qwen2":
+        return {}
+    if not 1 <= cfg.experts_per_token <= cfg.num_experts:
+        raise ValueError(
+            f"base.experts_per_token={cfg.experts_per_token} must be between 1 and "
+            f"base.num_experts={cfg.num_experts}"
+        )
+    experts = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "decoder_sparse_step": 1,  # experts in every layer
+        "mlp_only_layers": [],
+    }
+    if cfg.architecture == "qwen3_moe":
+        # Qwen3-MoE renormalises the top-k gate weights, and sets head_dim on its own.
+        return {**experts, "norm_topk_prob": True, "head_dim": cfg.hidden_size // cfg.num_heads}
+    return {**experts, "shared_expert_intermediate_size": cfg.intermediate_size}
+
+
+def new_model(
     cfg: BaseBuildConfig, tokenizer: PreTrainedTokenizerFast, seed: int
-) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 sized by `cfg`, with its vocabulary padded to a multiple of 64."""
+) -> PreTrainedModel:
+    """A randomly initialised decoder of `cfg.architecture` sized by `cfg`, with its vocabulary
+    padded to a multiple of 64."""
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(
             f"base.hidden_size={cfg.hidden_size} is not divisible by base.num_heads={cfg.num_heads}"
@@ -79,9 +119,9 @@ def new_qwen2(
             f"base.hidden_size / base.num_heads = {head_dim}; vLLM's CPU attention needs head_dim >= 32: "
             "raise base.hidden_size or lower base.num_heads"
         )
-    padded_vocab = -(-len(tokenizer) // 64) * 64
-    config = Qwen2Config(
-        vocab_size=padded_vocab,
+    config_class, model_class = ARCHITECTURES[cfg.architecture]
+    config = config_class(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -93,9 +133,10 @@ def new_qwen2(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        **_architecture_sizes(cfg),
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    return model_class(config)
 
 
 def write_dir_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:

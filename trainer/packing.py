@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rl.expert_routing import NATURAL
 from rl.types import Batch
 from trainer.micro_batching import pack_rows
 
@@ -37,6 +38,12 @@ class ModelInput:
     targets: torch.Tensor
     unpack_index: torch.Tensor | None = None
     hidden_index: torch.Tensor | None = None
+    # [R, C, MoE layers, k]: the experts each position routes to, -1 where the router chooses
+    # (rl.types.Batch.routing in this layout); None: every position routes naturally.
+    routing: torch.Tensor | None = None
+    # [R, C] bool, True at the positions that hold a sample's token (not padding): what a
+    # mixture of experts' router statistics count.
+    real: torch.Tensor | None = None
 
     def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output [R, C, d] at the positions that score `targets`, in their
@@ -64,7 +71,14 @@ class ModelInput:
 def padded_input(micro: Batch) -> ModelInput:
     """The micro-batch's own right-padded rows; padding targets are IGNORE."""
     targets = micro.input_ids[:, 1:].masked_fill(micro.attention_mask[:, 1:] == 0, IGNORE)
-    return ModelInput(micro.input_ids, micro.attention_mask, None, targets)
+    return ModelInput(
+        micro.input_ids,
+        micro.attention_mask,
+        None,
+        targets,
+        routing=micro.routing,
+        real=micro.attention_mask.bool(),
+    )
 
 
 def packed_input(micro: Batch, width: int = 0) -> ModelInput:
@@ -80,6 +94,10 @@ def packed_input(micro: Batch, width: int = 0) -> ModelInput:
     targets = torch.full((num_rows, width - 1), IGNORE, dtype=micro.input_ids.dtype)
     padding = num_rows * (width - 1)  # the index `unpack` reads as 0
     unpack_index = torch.full((micro.num_sequences, num_steps), padding, dtype=torch.long)
+    real = torch.zeros(num_rows, width, dtype=torch.bool)
+    routing = None
+    if micro.routing is not None:
+        routing = micro.routing.new_full((num_rows, width, *micro.routing.shape[2:]), NATURAL)
     for row, samples in enumerate(layout):
         offset = 0
         for sample in samples:
@@ -90,6 +108,11 @@ def packed_input(micro: Batch, width: int = 0) -> ModelInput:
             # Position offset + t scores the sample's token t + 1; its last scores nothing.
             targets[row, offset : offset + n - 1] = tokens[1:]
             unpack_index[sample, : n - 1] = row * (width - 1) + offset + torch.arange(n - 1)
+            if routing is not None:
+                routing[row, offset : offset + n] = micro.routing[sample, :n]
             offset += n
+        real[row, :offset] = True
         position_ids[row, offset:] = torch.arange(width - offset)
-    return ModelInput(input_ids, None, position_ids, targets, unpack_index)
+    return ModelInput(
+        input_ids, None, position_ids, targets, unpack_index, routing=routing, real=real
+    )

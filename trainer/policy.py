@@ -30,6 +30,7 @@ from trainer.fsdp import (
 )
 from trainer.hf_model import save_hf_atomic, save_lora_hf_atomic
 from trainer.loss_scale import loss_multiplier, loss_scale_for
+from trainer.moe import MoEMiniBatch
 from trainer.offload import DeviceResidency
 from trainer.rank_local_load import LORA_ADAPTERS
 from trainer.ranks import (
@@ -65,6 +66,13 @@ _SUMMED = ("tokens", "trained_tokens", "skipped_rows", "rows")
 # room up to _FIXED_POINT_RANGE (an int64's, with headroom for the sum of a step's chunks).
 _FIXED_POINT_UNIT = 2.0**32
 _FIXED_POINT_RANGE = 2.0**62
+
+
+def _mean_moe_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """A mixture of experts' moe/* metrics (trainer.moe) of several mini-batches or chunks:
+    each one's mean over them."""
+    names = [name for name in (metrics[0] if metrics else ()) if name.startswith("moe/")]
+    return {name: sum(m[name] for m in metrics) / len(metrics) for name in names}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -190,10 +198,16 @@ class PolicyTrainer(RoleRank):
             batch = batch.select(_rows_to_train(batch))
         sums = torch.zeros(len(_TOKEN_METRICS) + 2, device=self.device)  # + loss, tokens
         temperature = self.cfg.rollout.temperature
+        moe = None
+        if self.policy.routing is not None:
+            num_tokens = int(batch.attention_mask.sum())
+            moe = MoEMiniBatch(self.policy.routing, self.objective, num_tokens, self.device)
         for micro, inputs, _ in self._micro_batches(batch):
             with adapter_dropout(self.policy):
                 logprob, entropy = self.policy(inputs, temperature)
                 loss, metrics = self.objective.loss(logprob, entropy, micro, denominator)
+                if moe is not None:
+                    loss = loss + moe.add(inputs)
                 (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
             tokens = micro.loss_mask.sum()
             for i, name in enumerate(_TOKEN_METRICS):
@@ -216,6 +230,8 @@ class PolicyTrainer(RoleRank):
             trained_tokens=batch.attention_mask.sum().item(),
             skipped_rows=float(num_rows - batch.num_sequences),
         )
+        if moe is not None:
+            out |= moe.metrics()
         return out
 
     def _optimizer_step(self, loss: float) -> StepResult:
@@ -318,6 +334,7 @@ class PolicyTrainer(RoleRank):
             for name in _TOKEN_METRICS
             if name in chunks[0]
         }
+        merged |= _mean_moe_metrics(chunks)
         merged.update(
             loss=sum(chunk["loss"] for chunk in chunks) * rescale,
             **{key: sum(chunk[key] for chunk in chunks) for key in _SUMMED},
@@ -349,6 +366,7 @@ class PolicyTrainer(RoleRank):
                 "actor/grad_norm": grad_norm_sum / max(len(taken), 1),
             }
         )
+        out |= _mean_moe_metrics([metrics for metrics, _ in taken])
         if not taken:  # no update to describe (MetricsLogger writes NaN as null)
             out = dict.fromkeys(out, math.nan)
         if self.cfg.trainer.skip_zero_advantage_rows:

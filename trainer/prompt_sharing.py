@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rl.expert_routing import NATURAL
 from rl.types import Batch
 from trainer.packing import ModelInput
 
@@ -50,11 +51,15 @@ def shared_prompt_input(micro: Batch) -> ModelInput:
     # response, -1 padding).
     input_ids, position_ids, segments = [], [], []
     hidden_index, targets = [], []
+    # Per position of the layout, the (row, position) of `micro` it holds: where its routing
+    # record comes from (a shared prompt's from the first row that holds it).
+    sources: list[tuple[int, int]] = []
     num_steps = micro.input_ids.shape[1] - 1
     unpack_index = [[-1] * num_steps for _ in range(micro.num_sequences)]
     for row, (prompt, rows) in enumerate(groups):
         tokens = ids[rows[0]]
         row_ids, row_positions, row_segments = tokens[:prompt], list(range(prompt)), [0] * prompt
+        row_sources = [(rows[0], position) for position in range(prompt)]
         row_start = row * width
         # The prompt scores its own next tokens once for every row that shares it.
         shared = range(len(targets), len(targets) + prompt - 1)
@@ -75,7 +80,9 @@ def shared_prompt_input(micro: Batch) -> ModelInput:
             row_ids += response
             row_positions += range(prompt, lengths[sample])
             row_segments += [segment] * len(response)
+            row_sources += [(sample, position) for position in range(prompt, lengths[sample])]
         padding = width - len(row_ids)
+        sources += row_sources + [(-1, -1)] * padding
         input_ids.append(row_ids + [0] * padding)
         position_ids.append(row_positions + [0] * padding)
         segments.append(row_segments + [-1] * padding)
@@ -88,7 +95,23 @@ def shared_prompt_input(micro: Batch) -> ModelInput:
         torch.tensor(targets, dtype=micro.input_ids.dtype).reshape(-1),
         unpack,
         torch.tensor(hidden_index, dtype=torch.long).reshape(-1),
+        routing=_routing(micro, sources, len(groups), width),
+        real=torch.tensor([row >= 0 for row, _ in sources]).reshape(len(groups), width),
     )
+
+
+def _routing(
+    micro: Batch, sources: list[tuple[int, int]], num_rows: int, width: int
+) -> torch.Tensor | None:
+    """`micro.routing` in the layout: [num_rows, width, layers, k], each position's row taken
+    from the (row, position) of `micro` in `sources` (-1, -1: padding, routed naturally)."""
+    if micro.routing is None:
+        return None
+    rows, positions = torch.tensor(sources, dtype=torch.long).unbind(dim=1)
+    padding = rows < 0
+    out = micro.routing[rows.clamp(min=0), positions.clamp(min=0)]
+    out[padding] = NATURAL
+    return out.reshape(num_rows, width, *micro.routing.shape[2:])
 
 
 def _attention_mask(segments: torch.Tensor) -> torch.Tensor:

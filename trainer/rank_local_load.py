@@ -7,6 +7,13 @@ byte range, so a rank reads its rows with one seek and one read per tensor. A ra
 memory at start-up is its shards plus one tensor's rows in the file's dtype, where loading the
 checkpoint with `from_pretrained` on every rank held the whole model on each.
 
+A mixture of experts holds each layer's experts fused, one dim-0 row per expert
+(`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), where its checkpoint stores one
+tensor per expert and projection. Which files' tensors make which fused row, and in which order,
+is read off transformers' own conversion mapping for the model type (what `from_pretrained`
+applies), so a rank reads only its own experts' tensors; a checkpoint that stores the fused
+tensors themselves is read as any other.
+
 What the files do not hold is made as `from_pretrained` makes it: the rotary embedding's
 frequencies are computed on CPU from the config, and LoRA's first adapters are drawn by peft
 itself from the run's seed.
@@ -14,6 +21,8 @@ itself from the run's seed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,10 +30,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 
 from kernels.attention import ATTENTION
 from rl.config import LoraConfig
-from rl.config.safetensors_files import checkpoint_tensors, read_rows
+from rl.config.safetensors_files import StoredTensor, checkpoint_tensors, read_rows
 
 # What peft names its adapters' modules inside an adapted linear: they are not in the checkpoint.
 LORA_ADAPTERS = (".lora_A.", ".lora_B.")
@@ -65,6 +83,148 @@ def _rows(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
     return param.to_local(), (start, start + (shape[0] if shape else 1))
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """A tensor the model holds fused, one dim-0 row per expert, that the checkpoint stores per
+    expert: row e is `parts[k][e]` for k in order (gate, then up), concatenated along `dim` of
+    one expert's tensor."""
+
+    parts: tuple[tuple[str, ...], ...]
+    dim: int
+
+
+@dataclass
+class CheckpointNames:
+    """Where the tensors a model names live in a checkpoint whose names transformers converts
+    on loading: `renamed` (model name -> stored name), `experts` (model name -> the per-expert
+    tensors of its rows), and `unreadable` (model name -> why its rows cannot be read)."""
+
+    renamed: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, ExpertRows] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def _concat_dim(converter: WeightConverter) -> int | None:
+    """The dim of one expert's tensor along which `converter` joins its sources into a fused
+    row, when it stacks experts along dim 0 and does nothing else (then a row is its expert's
+    tensors alone); None for any other conversion."""
+    ops = converter.operations
+    if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        return None
+    if len(ops) == 1:
+        return 0 if len(converter.source_patterns) == 1 else None
+    if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1:
+        return ops[1].dim - 1
+    return None
+
+
+def checkpoint_names(model_type: str, stored: Iterable[str]) -> CheckpointNames:
+    """The model names of `stored` (a checkpoint's tensor names) under transformers' conversion
+    mapping for `model_type`, as `from_pretrained` renames and groups them: keys in natural
+    order, renamings first, then at most one converter, whose sources stack in that order."""
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    names = CheckpointNames()
+    grouped: dict[str, dict[str, list[str]]] = {}
+    converter_of: dict[str, WeightConverter] = {}
+    for key in sorted(stored, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            if target != key:
+                names.renamed[target] = key
+            continue
+        grouped.setdefault(target, {}).setdefault(pattern, []).append(key)
+        converter_of[target] = next(c for c in converters if pattern in c.source_patterns)
+    for target, by_pattern in grouped.items():
+        converter = converter_of[target]
+        dim = _concat_dim(converter)
+        parts = [tuple(by_pattern.get(pattern, ())) for pattern in converter.source_patterns]
+        if dim is None:
+            names.unreadable[target] = (
+                f"transformers makes it from {converter.source_patterns} by "
+                f"{converter.operations}, which is not a stack of whole experts"
+            )
+        elif len({len(part) for part in parts}) != 1:
+            counts = {
+                p: len(part) for p, part in zip(converter.source_patterns, parts, strict=True)
+            }
+            names.unreadable[target] = f"its per-expert tensors do not pair up: {counts}"
+        else:
+            names.experts[target] = ExpertRows(tuple(parts), dim)
+    return names
+
+
+def _copy_rows(
+    dest: torch.Tensor,
+    stored: StoredTensor,
+    key: str,
+    start: int,
+    buffer: torch.Tensor,
+) -> None:
+    """Rows [start, start + len(dest)) of `stored` (named `key`) into `dest`, a bounded number
+    at a time through `buffer` (uint8)."""
+    if not dest.dim():
+        dest.copy_(read_rows(stored, key, buffer=buffer))
+        return
+    # A bounded number of rows at a time, through one buffer: read whole, the embedding's
+    # rows (an untied LM head's, read last) would add a shard of it to the peak.
+    step = max(1, buffer.numel() // max(1, stored.row_bytes))
+    stop = start + len(dest)
+    for begin in range(start, stop, step):
+        end = min(stop, begin + step)
+        dest[begin - start : end - start].copy_(read_rows(stored, key, (begin, end), buffer))
+
+
+def _expert_shape(
+    rows: ExpertRows, stored: dict[str, StoredTensor], key: str, path: str
+) -> tuple[int, ...]:
+    """The fused shape the per-expert tensors of `rows` make; ValueError naming the directory
+    and `key` when they do not fit together."""
+    shapes = []
+    for part in rows.parts:
+        part_shapes = {stored[name].shape for name in part}
+        if len(part_shapes) != 1:
+            raise ValueError(
+                f"model directory {path}: the per-expert tensors of {key!r} ({part[0]!r}, ...) "
+                f"differ in shape: {sorted(map(list, part_shapes))}"
+            )
+        shapes.append(part_shapes.pop())
+    first = shapes[0]
+    if any(
+        len(s) != len(first)
+        or len(s) <= rows.dim
+        or s[: rows.dim] != first[: rows.dim]
+        or s[rows.dim + 1 :] != first[rows.dim + 1 :]
+        for s in shapes
+    ):
+        raise ValueError(
+            f"model directory {path}: the per-expert tensors of {key!r} cannot be joined "
+            f"along dim {rows.dim}: shapes {[list(s) for s in shapes]}"
+        )
+    joined = (*first[: rows.dim], sum(s[rows.dim] for s in shapes), *first[rows.dim + 1 :])
+    return (len(rows.parts[0]), *joined)
+
+
+def _copy_expert_rows(
+    dest: torch.Tensor,
+    rows: ExpertRows,
+    stored: dict[str, StoredTensor],
+    start: int,
+    buffer: torch.Tensor,
+) -> None:
+    """Experts [start, start + len(dest)) of `rows` into `dest`, each from its own tensors."""
+    for expert in range(start, start + len(dest)):
+        offset = 0
+        for part in rows.parts:
+            key = part[expert]
+            size = stored[key].shape[rows.dim]
+            _copy_rows(
+                dest[expert - start].narrow(rows.dim, offset, size), stored[key], key, 0, buffer
+            )
+            offset += size
+
+
 @torch.no_grad()
 def load_local_rows(
     module: nn.Module,
@@ -78,11 +238,14 @@ def load_local_rows(
 
     A peft-wrapped linear keeps the base weight as `base_layer.weight`: the checkpoint names it
     without `base_layer`. Names containing one of `skip` (LoRA's adapters) are not read.
-    Rows are read at most `read_bytes` (in the file's dtype) at a time.
-    ValueError naming the directory and the tensor when the checkpoint lacks it or holds it
-    in another shape.
+    Rows are read at most `read_bytes` (in the file's dtype) at a time. A tensor the checkpoint
+    stores per expert (`checkpoint_names`) is read expert row by expert row from its experts'
+    tensors.
+    ValueError naming the directory and the tensor when the checkpoint lacks it, holds it in
+    another shape, or makes it by a conversion that is not a stack of whole experts.
     """
     stored = checkpoint_tensors(Path(path))
+    names = checkpoint_names(AutoConfig.from_pretrained(path).model_type, stored)
     buffer = torch.empty(read_bytes, dtype=torch.uint8)
     persistent = [
         (f"{owner}.{name}" if owner else name, buffer)
@@ -94,27 +257,31 @@ def load_local_rows(
         if any(s in name for s in skip):
             continue
         key = prefix + name.replace(".base_layer.", ".")
-        if key not in stored:
+        experts = None
+        if key not in stored:  # stored under another name, or per expert
+            if key in names.unreadable:
+                raise ValueError(
+                    f"model directory {path}: tensor {key!r} cannot be read rank by rank: "
+                    f"{names.unreadable[key]}"
+                )
+            experts = names.experts.get(key)
+            key = names.renamed.get(key, key)
+            if experts is None and key not in stored:
+                raise ValueError(
+                    f"model directory {path}: its safetensors files hold no tensor {key!r}"
+                )
+        shape = stored[key].shape if experts is None else _expert_shape(experts, stored, key, path)
+        if shape != tuple(tensor.shape):
             raise ValueError(
-                f"model directory {path}: its safetensors files hold no tensor {key!r}"
-            )
-        if stored[key].shape != tuple(tensor.shape):
-            raise ValueError(
-                f"model directory {path}: tensor {key!r} has shape {list(stored[key].shape)}, "
+                f"model directory {path}: tensor {key!r} has shape {list(shape)}, "
                 f"but its config.json makes it {list(tensor.shape)}"
             )
         local, rows = _rows(tensor)
-        if not local.dim():
-            local.copy_(read_rows(stored[key], key, buffer=buffer))
-            continue
-        start, stop = rows if rows is not None else (0, len(local))
-        # A bounded number of rows at a time, through one buffer: read whole, the embedding's
-        # rows (an untied LM head's, read last) would add a shard of it to the peak.
-        step = max(1, read_bytes // max(1, stored[key].row_bytes))
-        for begin in range(start, stop, step):
-            end = min(stop, begin + step)
-            rows_read = read_rows(stored[key], key, (begin, end), buffer)
-            local[begin - start : end - start].copy_(rows_read)
+        start = 0 if rows is None else rows[0]
+        if experts is None:
+            _copy_rows(local, stored[key], key, start, buffer)
+        else:
+            _copy_expert_rows(local, experts, stored, start, buffer)
 
 
 @torch.no_grad()

@@ -2,7 +2,9 @@
 
 Every figure is a hardware datasheet value, a model's shape from its config.json, or a
 published measurement; docs/scale.md cites each and says what the model leaves out. The
-formulas:
+formulas, where `params` is the parameters a token's matrix multiplies use (a mixture of
+experts' active parameters: its top-k experts, router, attention and embeddings) and every
+byte counts all of them (every expert):
 
 - decode, one step of an engine of `tp` GPUs running `batch` samples whose contexts add up
   to `context` tokens (vLLM's continuous batching: every running sample gains one token a
@@ -50,7 +52,8 @@ GPUS = {gpu.name: gpu for gpu in (H100, H200, H20)}
 
 @dataclass(frozen=True)
 class Model:
-    """A decoder's shape, from its config.json."""
+    """A decoder's shape, from its config.json. A mixture of experts holds `params` (every
+    expert: its memory, the bytes a sync moves) and computes with `active_params` a token."""
 
     name: str
     params: float
@@ -59,9 +62,17 @@ class Model:
     kv_heads: int
     head_dim: int
     tp: int  # the tensor parallel size its rollout engines use
+    active_params: float | None = None  # a mixture of experts'; None: dense, all are active
 
     @property
-    def weight_bytes(self) -> float:  # bf16
+    def compute_params(self) -> float:
+        """The parameters a token's matrix multiplies use, 2 FLOPs each in a forward."""
+        return self.params if self.active_params is None else self.active_params
+
+    @property
+    def weight_bytes(self) -> float:
+        """bf16, every expert: what a sync moves, a sleep offloads, and a decode step is taken
+        to read (an upper bound: a step reads only the experts its tokens are routed to)."""
         return 2 * self.params
 
     @property
@@ -105,12 +116,13 @@ class CostModel:
         memory = (m.weight_bytes + m.kv_bytes_per_token * context) / (
             m.tp * g.hbm_bytes_per_s * e.decode_hbm
         )
-        compute = 2 * m.params * batch / (m.tp * g.bf16_flops * e.decode_mfu)
+        compute = 2 * m.compute_params * batch / (m.tp * g.bf16_flops * e.decode_mfu)
         return e.decode_step_s + e.decode_sample_s * batch + max(memory, compute)
 
     def prefill_s(self, tokens: int, prefix: int) -> float:
         g, m = self.gpu, self.model
-        flops = 2 * m.params * tokens + 2 * m.layers * m.hidden * tokens * (2 * prefix + tokens)
+        attention = 2 * m.layers * m.hidden * tokens * (2 * prefix + tokens)
+        flops = 2 * m.compute_params * tokens + attention
         return flops / (m.tp * g.bf16_flops * self.eff.prefill_mfu)
 
     def kv_capacity_tokens(self, trainer_gpus_sharing: int = 0) -> int:
@@ -129,7 +141,7 @@ class CostModel:
 
     def train_flops(self, lengths: list[int]) -> float:
         m = self.model
-        return sum(6 * m.params * s + 6 * m.layers * m.hidden * s * s for s in lengths)
+        return sum(6 * m.compute_params * s + 6 * m.layers * m.hidden * s * s for s in lengths)
 
     def train_s(self, lengths: list[int], gpus: int) -> float:
         return self.train_flops(lengths) / (gpus * self.gpu.bf16_flops * self.eff.train_mfu)

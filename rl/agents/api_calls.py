@@ -181,9 +181,11 @@ def _new_segment(
             token_versions=sample.token_versions,
             finish_reason="stop",
             loss_mask=sample.loss_mask,
+            routed_experts=sample.routed_experts,
         )
     )
     sample.response_ids, sample.logprobs, sample.token_versions, sample.loss_mask = [], [], [], []
+    sample.routed_experts = None  # the next sequence's positions are recorded afresh
     episode.turn_start = 0
     _first(tokenizer, sample, request, limits)
 

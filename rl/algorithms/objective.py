@@ -15,6 +15,7 @@ from rl.algorithms.kl import KL_ESTIMATORS
 from rl.algorithms.masked import masked_mean
 from rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, mismatch_kl, proximal_from_forward
 from rl.algorithms.policy_losses import POLICY_LOSSES
+from rl.algorithms.router_losses import moe_metrics, router_loss, router_tally
 from rl.config import AlgorithmConfig, Config
 from rl.types import Batch
 
@@ -40,9 +41,14 @@ def zero_advantage_rows_are_inert(cfg: AlgorithmConfig) -> bool:
 
     Every policy loss is the advantage times a finite function of the log-probs (a test pins
     this over the registry), and an off-policy weight only scales it; a KL or entropy term
-    does not.
+    does not, nor does a mixture of experts' router loss (every token routes).
     """
-    return not kl_in_loss(cfg) and cfg.entropy_coef == 0
+    return (
+        not kl_in_loss(cfg)
+        and cfg.entropy_coef == 0
+        and cfg.router_balance_coef == 0
+        and cfg.router_z_coef == 0
+    )
 
 
 def policy_objective(
@@ -127,6 +133,19 @@ class Objective:
 
     def token_count(self, batch: Batch) -> float:
         return loss_weights(self.cfg, batch.loss_mask, self.max_response_len)[1].item()
+
+    def router_loss(
+        self, logits: list[torch.Tensor], experts: list[torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        return router_loss(logits, experts, mask, self.cfg)
+
+    def router_tally(
+        self, logits: list[torch.Tensor], experts: list[torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        return router_tally(logits, experts, mask)
+
+    def router_metrics(self, tally: torch.Tensor) -> dict[str, float]:
+        return moe_metrics(tally)
 
     def loss(
         self, logprobs: torch.Tensor, entropy: torch.Tensor, batch: Batch, denominator: float

@@ -35,7 +35,7 @@ from rl.config import BaseBuildConfig, Config
 from rl.data.loading import PromptStream, load_split
 from rl.data.prompts import encode_prompt
 from rl.data.tasks import Task, get_task
-from trainer.hf_model import SPECIAL_TOKENS, new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import SPECIAL_TOKENS, new_model, save_hf_atomic, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def build_base(cfg: Config) -> Path:
                     cfg.base.vocab_size,
                 )
                 # Seeded like the run so that `rl build-base` is reproducible end to end.
-                model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
+                model = new_model(cfg.base, tokenizer, seed=cfg.run.seed)
                 row = partial(answer_row, tokenizer)
                 max_new = cfg.rollout.max_new_tokens
                 accuracy_of = partial(
@@ -252,7 +252,7 @@ def _agent_base(
             yield from specials.split(render(renderer, messages, schemas, False))
 
     tokenizer = train_tokenizer(texts(), cfg.base.vocab_size)
-    model = new_qwen2(cfg.base, tokenizer, seed=cfg.run.seed)
+    model = new_model(cfg.base, tokenizer, seed=cfg.run.seed)
     max_new = cfg.rollout.max_new_tokens
 
     def accuracy_of(examples: list[dict]) -> float:

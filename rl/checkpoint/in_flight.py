@@ -16,9 +16,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rl.agents.environment import Environment
@@ -71,8 +73,18 @@ class _SampleRecord(_Record):
     episode: _EpisodeRecord | None
     request_prompt_tokens: int
     cached_prompt_tokens: int | None
+    routed_experts: _RoutingRecord | None = None
 
 
+class _RoutingRecord(_Record):
+    """A sample's routing record (rl.types.Sample.routed_experts): its ids' bytes in base64."""
+
+    dtype: Literal["uint8", "int16"]
+    shape: list[int] = Field(min_length=3, max_length=3)
+    bytes: str
+
+
+_SampleRecord.model_rebuild()  # its routing record is defined after it
 _EpisodeRecord.model_rebuild()  # its segments are samples, defined after it
 
 
@@ -160,7 +172,31 @@ def _sample_to_json(sample: Sample) -> dict:
         if f.name not in (*_ANNOTATIONS, "episode")
     }
     record["episode"] = None if sample.episode is None else _episode_to_json(sample.episode)
+    record["routed_experts"] = _routing_to_json(sample.routed_experts)
     return record
+
+
+def _routing_to_json(record: torch.Tensor | None) -> dict | None:
+    if record is None:
+        return None
+    return {
+        "dtype": str(record.dtype).removeprefix("torch."),
+        "shape": list(record.shape),
+        "bytes": base64.b64encode(record.contiguous().numpy().tobytes()).decode("ascii"),
+    }
+
+
+def _routing_from_record(record: _RoutingRecord | None, where: str) -> torch.Tensor | None:
+    if record is None:
+        return None
+    data = base64.b64decode(record.bytes)
+    dtype = getattr(torch, record.dtype)
+    if len(data) != math.prod(record.shape) * dtype.itemsize:
+        raise ValueError(
+            f"{where}: a sample's routed_experts holds {len(data)} bytes, not the "
+            f"{math.prod(record.shape) * dtype.itemsize} of {record.dtype} {record.shape}"
+        )
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(record.shape)
 
 
 def _episode_to_json(episode: Episode) -> dict:
@@ -193,7 +229,8 @@ def _episode_to_json(episode: Episode) -> dict:
 def _sample_from_record(
     record: _SampleRecord, env_class: type[Environment] | None, where: str
 ) -> Sample:
-    fields = record.model_dump(exclude={"episode"})
+    fields = record.model_dump(exclude={"episode", "routed_experts"})
+    fields["routed_experts"] = _routing_from_record(record.routed_experts, where)
     episode = None
     if record.episode is not None and record.episode.env is None:
         episode_fields = record.episode.model_dump(exclude={"env", "errors", "segments"})

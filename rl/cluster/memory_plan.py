@@ -10,7 +10,10 @@ micro-batch saves for backward, the fused log-prob kernel's workspace, and on GP
 transport's buffers. A rollout worker
 holds its tensor-parallel slice of the weights and the KV cache. A distillation teacher's rank
 holds its shard of the teacher's fp32 weights, the layers it has gathered, one layer's
-activations of a micro-batch and the kernel's forward workspace. The figures leave out
+activations of a micro-batch and the kernel's forward workspace. A mixture of experts counts
+every expert in the parameters, gradients, optimizer state and weights (FSDP2 shards the fused
+expert tensors like any parameter and gathers a layer's experts with it: there is no expert
+parallelism), and a token's activations for its top-k experts only. The figures leave out
 allocator fragmentation and runtime overheads (CUDA context, NCCL buffers: about 1-2 GiB a
 GPU), so a plan within a few percent of the limit is not safe.
 """
@@ -38,9 +41,19 @@ class PlanDoesNotFit(ValueError):
     """The plan needs more memory than its devices have; the message says what to change."""
 
 
+# Mixture-of-experts architectures whose layouts the estimate knows, and config keys that say a
+# config has experts (so an unknown mixture is refused rather than counted as a dense model).
+_MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Llama/Qwen2-style decoder that memory depends on."""
+    """The sizes of a Llama/Qwen-style decoder that memory and FLOPs depend on. A mixture of
+    experts (Qwen3-MoE, Qwen2-MoE, Mixtral) has `num_sparse_layers` layers whose MLP is
+    `num_experts` routed experts of `expert_intermediate_size` (the token goes to
+    `experts_per_token` of them), a router, and for Qwen2-MoE a gated shared expert; its other
+    layers have a dense MLP of `intermediate_size`."""
 
     vocab_size: int
     hidden_size: int
@@ -51,20 +64,34 @@ class ModelShape:
     head_dim: int
     tied_embeddings: bool
     num_attention_bias: int  # bias elements of one layer's attention projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys
+    num_sparse_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: none
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
         """The shape in `model_dir/config.json`; ValueError naming the file and key."""
         path = model_dir / "config.json"
         config = json.loads(path.read_text())
+        model_type = config.get("model_type")
+        if model_type not in _MOE_TYPES and any(config.get(key) for key in _EXPERT_KEYS):
+            raise ValueError(
+                f"{path} is a mixture of experts of model_type {model_type!r}, which the memory "
+                f"estimate does not know; it reads {', '.join(_MOE_TYPES)} and dense "
+                "Llama/Qwen-style decoders"
+            )
         try:
             num_heads = config["num_attention_heads"]
             head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
             num_kv_heads = config.get("num_key_value_heads") or num_heads
             q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-            # Qwen2 always biases q, k and v; Llama-style configs say so for all four.
-            if config.get("model_type") == "qwen2":
-                num_bias = q_dim + 2 * kv_dim
+            # Qwen2 biases q, k and v (Qwen2-MoE unless its qkv_bias says not); Llama-style
+            # configs say so for all four.
+            if model_type in ("qwen2", "qwen2_moe"):
+                num_bias = (q_dim + 2 * kv_dim) * bool(config.get("qkv_bias", True))
             else:
                 num_bias = q_dim + 2 * kv_dim + config["hidden_size"]
                 num_bias *= bool(config.get("attention_bias"))
@@ -78,32 +105,77 @@ class ModelShape:
                 head_dim=head_dim,
                 tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                 num_attention_bias=num_bias,
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                **(_experts(config) if model_type in _MOE_TYPES else {}),
             )
         except KeyError as e:
             raise ValueError(
-                f"{path} has no {e.args[0]!r}: the memory estimate needs a Llama/Qwen2-style "
+                f"{path} has no {e.args[0]!r}: the memory estimate needs a Llama/Qwen-style "
                 "decoder config"
             ) from None
+
+    def describe(self) -> str:
+        """Its parameter count as the dry run says it: a mixture of experts' total and active."""
+        if self.num_sparse_layers == 0:
+            return f"{self.num_params / 1e9:.3f}B parameters"
+        return (
+            f"{self.num_params / 1e9:.3f}B total / {self.num_active_params / 1e9:.3f}B active "
+            f"parameters ({self.num_experts} experts, {self.experts_per_token} a token)"
+        )
 
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def num_layer_params(self) -> int:
-        """One decoder layer: attention (q, k, v, o and their biases), gated MLP, two norms."""
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_sparse_layers
+
+    @property
+    def num_attention_params(self) -> int:
+        """One layer's attention: q, k, v, o, their biases, and Qwen3's q and k norms."""
         h, q_dim = self.hidden_size, self.num_heads * self.head_dim
-        attention = 2 * h * q_dim + 2 * h * self.kv_dim + self.num_attention_bias
-        return attention + 3 * h * self.intermediate_size + 2 * h
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * h * q_dim + 2 * h * self.kv_dim + self.num_attention_bias + qk_norm
+
+    @property
+    def num_dense_layer_params(self) -> int:
+        """A dense decoder layer: attention, gated MLP, two norms."""
+        h = self.hidden_size
+        return self.num_attention_params + 3 * h * self.intermediate_size + 2 * h
+
+    def _num_sparse_layer_params(self, experts_counted: int) -> int:
+        """A sparse layer with `experts_counted` of its routed experts: attention, two norms,
+        the router (it scores every expert for every token), those experts' gated MLPs, and
+        the shared expert with its one-output gate."""
+        h = self.hidden_size
+        shared = 3 * h * self.shared_expert_intermediate_size
+        shared += h if self.shared_expert_intermediate_size else 0
+        experts = experts_counted * 3 * h * self.expert_intermediate_size
+        return self.num_attention_params + 2 * h + self.num_experts * h + experts + shared
+
+    @property
+    def num_layer_params(self) -> int:
+        """The largest decoder layer, the unit FSDP2 gathers: a sparse layer with all its
+        experts (FSDP2 shards the fused expert tensors like any parameter), else a dense one."""
+        if self.num_sparse_layers == 0:
+            return self.num_dense_layer_params
+        sparse = self._num_sparse_layer_params(self.num_experts)
+        return max(sparse, self.num_dense_layer_params if self.num_dense_layers else 0)
 
     @property
     def largest_load_unit(self) -> int:
         """Elements of the largest tensors vLLM loads as one layer, which travel in one bucket
-        whatever its size: the embedding (or LM head), a layer's fused gate/up or q/k/v."""
+        whatever its size: the embedding (or LM head), a layer's fused gate/up or q/k/v, or a
+        sparse layer's fused expert tensors (gate/up and down of every expert)."""
         h, q_dim = self.hidden_size, self.num_heads * self.head_dim
-        return max(
-            self.vocab_size * h, 2 * self.intermediate_size * h, h * (q_dim + 2 * self.kv_dim)
-        )
+        units = [self.vocab_size * h, h * (q_dim + 2 * self.kv_dim)]
+        if self.num_dense_layers:
+            units.append(2 * self.intermediate_size * h)
+        if self.num_sparse_layers:
+            units.append(self.num_experts * 3 * self.expert_intermediate_size * h)
+            units.append(2 * self.shared_expert_intermediate_size * h)
+        return max(units)
 
     @property
     def num_root_params(self) -> int:
@@ -113,44 +185,101 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        return self.num_layers * self.num_layer_params + self.num_root_params
+        """Every parameter, all experts included: what memory and a weight sync hold."""
+        sparse = self.num_sparse_layers * self._num_sparse_layer_params(self.num_experts)
+        return self.num_dense_layers * self.num_dense_layer_params + sparse + self.num_root_params
 
     @property
-    def linear_sizes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of a decoder layer's linear modules, by the names peft's
-        `target_modules` match."""
-        h, q_dim, i = self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size
-        return {
+    def num_active_params(self) -> int:
+        """The parameters a token's forward uses, counted as for a dense model (embeddings
+        included): in a sparse layer only its `experts_per_token` routed experts, besides the
+        router, the shared expert and attention. Equals `num_params` for a dense model."""
+        sparse = self.num_sparse_layers * self._num_sparse_layer_params(self.experts_per_token)
+        return self.num_dense_layers * self.num_dense_layer_params + sparse + self.num_root_params
+
+    def _linear_sizes(self, mlp_width: int) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a layer's linear modules, by the names peft's
+        `target_modules` match: attention's, and those of an MLP of `mlp_width` (a dense
+        layer's, or a sparse layer's shared expert; 0: none, routed experts being fused
+        tensors rather than linear modules)."""
+        h, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        sizes = {
             "q_proj": (h, q_dim),
             "k_proj": (h, self.kv_dim),
             "v_proj": (h, self.kv_dim),
             "o_proj": (q_dim, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
         }
+        if mlp_width:
+            sizes.update(gate_proj=(h, mlp_width), up_proj=(h, mlp_width), down_proj=(mlp_width, h))
+        return sizes
 
     def num_adapter_params(self, rank: int, target_modules: list[str]) -> int:
-        """LoRA adapters of `rank` on `target_modules` in every layer: A [r, in], B [out, r]."""
-        sizes = self.linear_sizes
-        unknown = sorted(set(target_modules) - set(sizes))
+        """LoRA adapters of `rank` on the linear modules named in `target_modules` of every
+        layer that has them: A [r, in], B [out, r]."""
+        known = self._linear_sizes(self.intermediate_size)
+        unknown = sorted(set(target_modules) - set(known))
         if unknown:
             raise ValueError(
                 f"model.lora.target_modules names {unknown[0]!r}, which the memory estimate does "
-                f"not know; a Llama/Qwen2 decoder layer's linear modules are {sorted(sizes)}"
+                f"not know; a Llama/Qwen decoder layer's linear modules are {sorted(known)}"
             )
-        return self.num_layers * sum(rank * sum(sizes[name]) for name in set(target_modules))
+
+        def per_layer(mlp_width: int) -> int:
+            sizes = self._linear_sizes(mlp_width)
+            return sum(rank * sum(sizes[name]) for name in set(target_modules) if name in sizes)
+
+        dense = self.num_dense_layers * per_layer(self.intermediate_size)
+        return dense + self.num_sparse_layers * per_layer(self.shared_expert_intermediate_size)
 
     def activation_elements_per_token(self, checkpointed: bool) -> int:
         """Elements a token's forward saves for backward over the whole decoder. Per layer:
-        the two norm inputs and outputs, q, k and v, the attention output, and the MLP's
-        gate, up, activation and product; with activation checkpointing only each layer's
-        input is kept, and one layer at a time is recomputed."""
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = 5 * h + 2 * self.kv_dim + 4 * i
+        the two norm inputs and outputs, q, k and v, the attention output, and a dense MLP's
+        gate, up, activation and product; a sparse layer's MLP instead saves the router's
+        logits, and for each of the token's experts its copy of the token, gate, up,
+        activation, product and output (before the router's weight), and the shared expert's
+        gate, up, activation, product and output (before its gate). With activation
+        checkpointing only each layer's input is kept, and one layer at a time is recomputed."""
+        h, shared = self.hidden_size, self.shared_expert_intermediate_size
+        attention = 5 * h + 2 * self.kv_dim
+        dense = attention + 4 * self.intermediate_size
+        routed = self.experts_per_token * (2 * h + 4 * self.expert_intermediate_size)
+        sparse = attention + self.num_experts + routed + (4 * shared + h if shared else 0)
         if checkpointed:
-            return self.num_layers * h + per_layer
-        return self.num_layers * per_layer
+            largest = max(
+                dense if self.num_dense_layers else 0, sparse if self.num_sparse_layers else 0
+            )
+            return self.num_layers * h + largest
+        return self.num_dense_layers * dense + self.num_sparse_layers * sparse
+
+
+def _experts(config: dict) -> dict[str, int]:
+    """A mixture of experts' sizes from its HF config. Mixtral's every layer is sparse, its
+    experts `intermediate_size` wide; Qwen-MoE's layer i is sparse unless it is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, as transformers
+    builds it, and its experts are `moe_intermediate_size` wide."""
+    num_layers = config["num_hidden_layers"]
+    if config["model_type"] == "mixtral":
+        num_experts, width = config["num_local_experts"], config["intermediate_size"]
+        sparse = num_layers
+    else:
+        # transformers writes Qwen3-MoE's count as num_local_experts, the Hub's configs num_experts.
+        num_experts = config.get("num_experts", config.get("num_local_experts"))
+        if num_experts is None:
+            raise KeyError("num_experts")
+        dense = set(config.get("mlp_only_layers") or ())
+        step = config.get("decoder_sparse_step") or 1
+        sparse = sum(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        width = config["moe_intermediate_size"]
+    shared = config["shared_expert_intermediate_size"] if config["model_type"] == "qwen2_moe" else 0
+    return {
+        "num_sparse_layers": sparse,
+        "num_experts": num_experts,
+        "experts_per_token": config["num_experts_per_tok"],
+        "expert_intermediate_size": width,
+        "shared_expert_intermediate_size": shared,
+    }
 
 
 @dataclass
@@ -396,7 +525,7 @@ def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
     else:
         device_bytes, on_gpu = psutil.virtual_memory().total, False
         devices = f"CPU, host memory {device_bytes / GIB:.1f} GiB"
-    header = f"model: {shape.num_params / 1e9:.3f}B parameters; devices: {devices}"
+    header = f"model: {shape.describe()}; devices: {devices}"
     lora = cfg.model.lora
     if lora.enabled:
         adapters = shape.num_adapter_params(lora.rank, lora.target_modules)
@@ -406,7 +535,7 @@ def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
         teacher_config = Path(cfg.teacher.path) / "config.json"
         if teacher_config.is_file():
             teacher_shape = ModelShape.read(teacher_config.parent)
-            header += f"\nteacher: {teacher_shape.num_params / 1e9:.3f}B parameters"
+            header += f"\nteacher: {teacher_shape.describe()}"
         else:
             header += f"\nteacher: left out, {teacher_config} is not here to read its sizes"
     return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu, teacher_shape)}"

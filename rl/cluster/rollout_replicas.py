@@ -72,6 +72,7 @@ class RolloutReplicas:
             log_file,
             cfg.model.lora,
             cfg.sandbox,
+            cfg.model.routing_replay,
         )
         if log_file is not None:
             worker.log_to.remote(log_file)  # runs before `ready`: calls run in order

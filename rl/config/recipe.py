@@ -7,6 +7,7 @@ actor starts.
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any, get_origin
 
@@ -201,6 +202,10 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
     model_dir = Path(cfg.model.path)
     if not model_dir.exists():
         if cfg.base.build_if_missing:
+            if cfg.base.architecture == "qwen2":
+                _check_dense(
+                    cfg, path, "the base this recipe builds is dense (base.architecture=qwen2)"
+                )
             return
         raise ConfigError(
             f"{path}: model.path={cfg.model.path!r} does not exist. Point it at a local Hugging Face "
@@ -213,6 +218,13 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             "causal-LM directory (config.json, *.safetensors, tokenizer files)"
         )
     _check_tokenizer(model_dir, f"{path}: model.path={cfg.model.path!r}")
+    if not _num_experts(model_dir):
+        _check_dense(
+            cfg,
+            path,
+            f"the config.json of model.path={cfg.model.path!r} names no experts (num_experts or "
+            "num_local_experts)",
+        )
     try:
         shapes = checkpoint_tensor_shapes(model_dir)
     except ValueError as exc:
@@ -237,6 +249,35 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
                 f"linear module of {cfg.model.path}; its layers' linear modules are "
                 f"{', '.join(sorted(linear))}"
             )
+
+
+def _check_dense(cfg: Config, path: Path | str, why: str) -> None:
+    """ConfigError for a mixture-of-experts setting on a dense model (`why` says how we know
+    it is dense)."""
+    algo = cfg.algorithm
+    for key, on in (
+        ("model.routing_replay", cfg.model.routing_replay),
+        ("algorithm.router_balance_coef", algo.router_balance_coef > 0),
+        ("algorithm.router_z_coef", algo.router_z_coef > 0),
+    ):
+        if on:
+            raise ConfigError(
+                f"{path}: {key} is for a mixture of experts' routers, but {why}: unset it, or "
+                "train a mixture of experts (base.architecture qwen3_moe or qwen2_moe)"
+            )
+
+
+def _num_experts(model_dir: Path) -> int:
+    """The experts a layer of `model_dir`'s model has by its config.json (0: dense, or a
+    config that cannot be read, which loading reports)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    experts = config.get("num_experts", config.get("num_local_experts", 0))
+    return experts if isinstance(experts, int) else 0
 
 
 def check_teacher(cfg: Config, path: Path | str) -> None:

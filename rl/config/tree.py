@@ -279,6 +279,12 @@ class ModelConfig(Section):
         description="Glob patterns of HF parameter names the policy never trains (e.g. "
         "'model.embed_tokens.*'); they are not optimised and not re-sent at weight sync.",
     )
+    routing_replay: bool = Field(
+        False,
+        description="Mixture-of-experts policies: the rollout engines record the experts they "
+        "route every position to, and the trainer's forwards use the same experts (rollout "
+        "routing replay; the router's gate weights are still its own). docs/algorithms.md.",
+    )
 
     lora: LoraConfig = Field(
         LoraConfig(), description="LoRA adapters instead of full fine-tuning (rank 0 = off)."
@@ -308,14 +314,28 @@ class BaseBuildConfig(Section):
         260,
         description="Target BPE vocabulary size (byte-level, so never below 260 tokens).",
     )
-    hidden_size: int = Field(128, description="Qwen2 hidden size.")
-    num_layers: int = Field(2, description="Qwen2 decoder layers.")
+    architecture: Literal["qwen2", "qwen3_moe", "qwen2_moe"] = Field(
+        "qwen2",
+        description="The decoder built: qwen2 (dense), qwen3_moe (a mixture of experts in every "
+        "layer) or qwen2_moe (experts plus a shared expert, gated, in every layer).",
+    )
+    hidden_size: int = Field(128, description="Hidden size.")
+    num_layers: int = Field(2, description="Decoder layers.")
     num_heads: int = Field(
         4,
         description="Attention heads (head_dim = hidden_size / num_heads, at least 32 for vLLM CPU).",
     )
     num_kv_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
-    intermediate_size: int = Field(1024, description="MLP width.")
+    intermediate_size: int = Field(
+        1024, description="MLP width (qwen2_moe: the shared expert's; qwen3_moe: unused)."
+    )
+    num_experts: int = Field(8, description="Mixture-of-experts architectures: experts a layer.")
+    experts_per_token: int = Field(
+        2, description="Mixture-of-experts architectures: experts each token is routed to (top-k)."
+    )
+    moe_intermediate_size: int = Field(
+        256, description="Mixture-of-experts architectures: each expert's MLP width."
+    )
     tie_word_embeddings: bool = Field(
         False, description="Share input embedding and lm_head weights."
     )
@@ -617,6 +637,16 @@ class AlgorithmConfig(Section):
     )
     kl_horizon: int = Field(10000, description="Adaptive KL controller horizon (samples).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
+    router_balance_coef: float = Field(
+        0.0,
+        description="MoE: weight of the load-balancing loss E sum_e f_e P_e, mean over MoE layers "
+        "(rl.algorithms.router_losses; 0 = off).",
+    )
+    router_z_coef: float = Field(
+        0.0,
+        description="MoE: weight of the router z-loss, mean over tokens of logsumexp(router "
+        "logits)^2, mean over MoE layers (0 = off).",
+    )
     off_policy: str = Field(
         "none",
         description="Importance-sampling correction from rl.algorithms.off_policy "

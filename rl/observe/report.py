@@ -2,15 +2,18 @@
 
 Reads what every run leaves in its directory: metrics.jsonl (one record a step, step 0 the
 evaluation before training) and trace.json (every phase of every worker). Writes, by default
-to RUN_DIR/report/: reward and accuracy, response length, KL and entropy, step time stacked by
-phase, the overlap timeline of the last steps, and summary.md. A series the run did not log
-(KL to a reference without one, say) is left out of its plot; a plot with none is not drawn.
+to RUN_DIR/report/: reward and accuracy, response length, KL and entropy, expert load (MoE
+models), step time stacked by phase, the overlap timeline of the last steps, and summary.md,
+which has a table per MoE layer when the run logged `moe/layer<L>/...` metrics. A series the run
+did not log (KL to a reference without one, say) is left out of its plot; a plot with none is
+not drawn.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +93,17 @@ PANELS = (
             Series("actor/approx_kl_old", "KL to the old policy"),
             Series("actor/kl_ref", "KL to the reference"),
         ),
+    ),
+    Panel(  # MoE models only (rl.algorithms.router_losses.moe_metrics)
+        "expert_load.png",
+        "Expert load",
+        "max/mean load; balance loss",
+        (
+            Series("moe/max_load_ratio", "max/mean expert load (worst layer)"),
+            Series("moe/balance_loss", "balance loss (layer mean, 1 = balanced)"),
+            Series("moe/z_loss", "router z-loss (layer mean)", right_axis=True),
+        ),
+        right_ylabel="z-loss",
     ),
 )
 STEP_TIME_FILE, TIMELINE_FILE = "step_time.png", "timeline.png"
@@ -246,7 +260,56 @@ def _summary(run_dir: Path, records: list[dict], images: list[str]) -> str:
         if values:
             best = min(values) if key == "time/step_s" else max(values)
             lines.append(f"| {label} | {values[0]:.4g} | {values[-1]:.4g} | {best:.4g} |")
-    lines.append("")
+    lines += ["", *_expert_load_table(records)]
     for image in images:
         lines += [f"![{image.removesuffix('.png')}]({image})", ""]
     return "\n".join(lines)
+
+
+_MOE_LAYER = re.compile(r"moe/layer(\d+)/max_load_ratio")
+
+
+def _expert_load_table(records: list[dict]) -> list[str]:
+    """Per MoE layer, over the run: its max/mean expert load (first, last, worst step), the
+    share of assignments over capacity and its router losses; no lines when no layer was
+    logged."""
+    layers = sorted({int(m[1]) for r in records for key in r if (m := _MOE_LAYER.fullmatch(key))})
+    if not layers:
+        return []
+    lines = [
+        "## Expert load",
+        "",
+        "Load: max/mean, the busiest expert's routed tokens over the mean (1 = balanced). Over "
+        "capacity: the share of assignments beyond ceil(k N / E) per forward (overloaded; the "
+        "forward drops none).",
+        "",
+        "| layer | load first | load last | load worst | over capacity, last | balance loss first "
+        "| balance loss last | z-loss first | z-loss last |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layer in layers:
+        ratio = _finite(records, f"moe/layer{layer}/max_load_ratio")
+        over = _finite(records, f"moe/layer{layer}/overloaded_frac")
+        balance = _finite(records, f"moe/layer{layer}/balance_loss")
+        z = _finite(records, f"moe/layer{layer}/z_loss")
+        cells = [
+            *_first_last(ratio),
+            _cell(max(ratio, default=None)),
+            _cell(over[-1] if over else None),
+            *_first_last(balance),
+            *_first_last(z),
+        ]
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _finite(records: list[dict], key: str) -> list[float]:
+    return [v for v in _points(records, key)[1] if math.isfinite(v)]
+
+
+def _first_last(values: list[float]) -> list[str]:
+    return [_cell(values[0] if values else None), _cell(values[-1] if values else None)]
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from rl.expert_routing import NATURAL
 from rl.types import Batch, Sample
 
 
@@ -52,7 +53,22 @@ def build_batch(samples: list[Sample], pad_id: int) -> Batch:
         ref_logprobs=per_token("ref_logprobs"),
         old_values=per_token("values"),
         teacher_logprobs=per_token("teacher_logprobs"),
+        routing=routing_rows(samples, max_len),
     )
+
+
+def routing_rows(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """[B, width, layers, k] int16: each sample's recorded experts at the positions it holds
+    rows for, -1 elsewhere; None when no sample has a record (rl.types.Sample.routed_experts)."""
+    records = [s.routed_experts for s in samples]
+    first = next((r for r in records if r is not None), None)
+    if first is None:
+        return None
+    out = torch.full((len(samples), width, *first.shape[1:]), NATURAL, dtype=torch.int16)
+    for row, record in enumerate(records):
+        if record is not None:
+            out[row, : len(record)] = record.to(torch.int16)
+    return out
 
 
 def response_targets(sample: Sample) -> slice:
@@ -77,17 +93,24 @@ def with_segments(samples: list[Sample]) -> list[Sample]:
 
 def stack(first: Batch, second: Batch, pad_id: int) -> Batch:
     """The rows of `first`, then those of `second`, right-padded to the longer width (input
-    ids with `pad_id`, everything else with 0). A tensor only one of them has is dropped."""
+    ids with `pad_id`, routing with NATURAL, everything else with 0). A tensor only one of them
+    has is dropped."""
     width = max(first.input_ids.shape[1], second.input_ids.shape[1])
+    fills = {"input_ids": pad_id, "routing": NATURAL}
     fields = {}
     for f in dataclasses.fields(Batch):
         a, b = getattr(first, f.name), getattr(second, f.name)
         if a is None or b is None:
             fields[f.name] = None
             continue
-        full = width if f.name in ("input_ids", "attention_mask") else width - 1
-        fill = pad_id if f.name == "input_ids" else 0
+        full = width if f.name in ("input_ids", "attention_mask", "routing") else width - 1
+        # Dimension 1 is the position; F.pad lists dimensions from the last.
         fields[f.name] = torch.cat(
-            [torch.nn.functional.pad(t, (0, full - t.shape[1]), value=fill) for t in (a, b)]
+            [
+                torch.nn.functional.pad(
+                    t, (0, 0) * (t.dim() - 2) + (0, full - t.shape[1]), value=fills.get(f.name, 0)
+                )
+                for t in (a, b)
+            ]
         )
     return Batch(**fields)

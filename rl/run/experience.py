@@ -167,6 +167,7 @@ def prepare_batch(
     if recomputes_old_logprobs(cfg):
         gap = (batch.old_logprobs - batch.behaviour_logprobs).abs() * mask
         metrics["off_policy/max_abs_logprob_gap"] = gap.max().item()
+        metrics["off_policy/mean_abs_logprob_gap"] = (gap.sum() / mask.sum().clamp(min=1)).item()
     rewards = at_last_token(torch.tensor(scores), mask)
     kl_penalty = None
     if algo.kl_coef > 0 and algo.kl_in_reward:

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels.attention import ATTENTION
 from rl.config import LoraConfig, RolloutConfig
+from rl.expert_routing import ExpertRouting, record_dtype
 from rl.observe.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, take_peak_memory_bytes
 from rl.sync.plan import WeightSyncPlan, plan_from_json
 from rl.sync.transport import Channel, ChannelSpec, open_channel
@@ -42,11 +43,16 @@ class _Cohort:
     attention_mask: torch.Tensor | None = None  # [B, cached positions], 0 on left padding
     next_positions: torch.Tensor | None = None  # [B] position id of the next token
     next_tokens: torch.Tensor | None = None  # [B] the last sampled tokens, fed next
+    # Recording routing: per sample, its record in pieces ([positions, layers, k] each; the
+    # record it came with first), joined into the sample when it leaves the cohort.
+    routing: list[list[torch.Tensor]] | None = None
 
     def keep(self, rows: list[int]) -> None:
         """Drop every row not in `rows` (finished samples) from the cohort and its cache."""
         index = torch.tensor(rows, dtype=torch.long)
         self.samples = [self.samples[i] for i in rows]
+        if self.routing is not None:
+            self.routing = [self.routing[i] for i in rows]
         if self.generators is not None:
             self.generators = [self.generators[i] for i in rows]
         self.stop_lengths = [self.stop_lengths[i] for i in rows]
@@ -80,6 +86,7 @@ class TorchEngine:
         dtype: str,
         seed: int,
         lora: LoraConfig | None = None,
+        record_routing: bool = False,
     ) -> None:
         start = time.perf_counter()
         if cfg.tensor_parallel_size != 1:
@@ -100,6 +107,14 @@ class TorchEngine:
 
             self._model = get_peft_model(self._model, lora.peft_config())
         self._model.eval().requires_grad_(False)
+        self._routing = None
+        if record_routing:
+            self._routing = ExpertRouting(self._model)
+            if not self._routing.num_layers:
+                raise ValueError(
+                    f"model.routing_replay: {model_path} has no mixture-of-experts layers"
+                )
+            self._record_dtype = record_dtype(self._routing.num_experts)
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._eos = torch.tensor(sorted(_eos_ids(self._model, self._tokenizer)))
         self._generator = torch.Generator().manual_seed(seed)  # for unseeded sampling
@@ -126,7 +141,12 @@ class TorchEngine:
         if params.seed is not None:
             generators = [torch.Generator().manual_seed(params.seed_of(s)) for s in samples]
         stop_lengths = [params.stop_length(s) for s in samples]
-        self._cohorts.append(_Cohort(list(samples), params, generators, stop_lengths))
+        cohort = _Cohort(list(samples), params, generators, stop_lengths)
+        if self._routing is not None:
+            cohort.routing = [
+                [] if s.routed_experts is None else [s.routed_experts] for s in samples
+            ]
+        self._cohorts.append(cohort)
 
     @torch.inference_mode()
     def step(self) -> list[Sample]:
@@ -152,6 +172,8 @@ class TorchEngine:
                     rows.append(i)
                     continue
                 finished.append(sample)
+                if cohort.routing is not None:
+                    _close_record(sample, cohort.routing[i])
             cohort.next_tokens = tokens
             if len(rows) < len(cohort.samples):
                 cohort.keep(rows)
@@ -162,6 +184,9 @@ class TorchEngine:
     def abort(self) -> list[Sample]:
         """Stop every running sample where it is (finish_reason "abort"); returns them."""
         aborted = [sample for cohort in self._cohorts for sample in cohort.samples]
+        for cohort in self._cohorts:
+            for sample, pieces in zip(cohort.samples, cohort.routing or [], strict=False):
+                _close_record(sample, pieces)
         self._cohorts.clear()
         for sample in aborted:
             sample.finish_reason = "abort"
@@ -264,7 +289,11 @@ class TorchEngine:
         positions = cohort.next_positions[:, None]
         cohort.next_positions = cohort.next_positions + 1
         cohort.attention_mask = mask
-        return self._logits(ids, mask, positions, cohort.cache)
+        logits = self._logits(ids, mask, positions, cohort.cache)
+        if cohort.routing is not None:  # each row ran one position: the token it sampled last
+            for pieces, experts in zip(cohort.routing, self._recorded(), strict=True):
+                pieces.append(experts[None])
+        return logits
 
     def _prefill(self, cohort: _Cohort) -> torch.Tensor:
         """`_forward` of a new cohort: each distinct prompt (plus response so far) runs once,
@@ -278,6 +307,17 @@ class TorchEngine:
         positions = _positions(mask)
         cohort.cache = DynamicCache(config=self._model.config)
         logits = self._logits(ids, mask, positions, cohort.cache)
+        if cohort.routing is not None:
+            # Row r ran its sequence's positions 0 .. n-1 in its last n columns; a sample keeps
+            # the rows of the positions its record does not hold yet (a resumed sample's
+            # earlier positions stay as the version that ran them first recorded them).
+            recorded = self._recorded()
+            experts = recorded.reshape(*ids.shape, *recorded.shape[1:])
+            width = ids.shape[1]
+            for sample, pieces, row in zip(cohort.samples, cohort.routing, index, strict=True):
+                n = len(sample.prompt_ids) + len(sample.response_ids)
+                held = sum(len(piece) for piece in pieces)
+                pieces.append(experts[row, width - n + held :])
         index = torch.tensor(index, dtype=torch.long)
         cohort.cache.batch_select_indices(index)
         cohort.attention_mask = mask[index]
@@ -298,6 +338,10 @@ class TorchEngine:
         )
         return output.logits[:, -1].float()
 
+    def _recorded(self) -> torch.Tensor:
+        """The experts the last forward routed each of its positions to: [N, layers, k]."""
+        return self._routing.recorded().to(self._record_dtype)
+
     def _check_idle(self, what: str) -> None:
         if self._cohorts:
             raise RuntimeError(
@@ -312,6 +356,12 @@ class TorchEngine:
                 f"{self._update.version} over {self.version}); it serves again after a "
                 "complete sync"
             )
+
+
+def _close_record(sample: Sample, pieces: list[torch.Tensor]) -> None:
+    """Join a sample's routing record, as it leaves a cohort."""
+    if pieces:
+        sample.routed_experts = torch.cat(pieces)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:

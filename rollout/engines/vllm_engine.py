@@ -14,6 +14,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from rl.config import LoraConfig, RolloutConfig
@@ -64,13 +65,25 @@ def lora_args(lora: LoraConfig | None) -> dict:
 
 
 def engine_args(
-    model_path: str, cfg: RolloutConfig, dtype: str, seed: int, lora: LoraConfig | None = None
+    model_path: str,
+    cfg: RolloutConfig,
+    dtype: str,
+    seed: int,
+    lora: LoraConfig | None = None,
+    record_routing: bool = False,
 ) -> dict:
     """The keyword arguments of the `vllm.LLM` that a VLLMEngine serves (bench/
     bare_components.py builds the bare engine from them too). Call after
     `_configure_environment`: importing vLLM before it would fix the wrong settings."""
     from vllm.platforms import current_platform
 
+    if record_routing and current_platform.is_cpu():
+        raise ValueError(
+            "model.routing_replay with rollout.engine=vllm: vLLM returns the routed experts "
+            "only from its Model Runner V2, which needs Triton, and vLLM on CPU has none (vLLM "
+            "0.32 refuses: 'AuxOutput Connector requires Model Runner V2', then 'Model Runner "
+            "V2 requires Triton'); on CPU set rollout.engine=torch"
+        )
     if current_platform.is_cpu():
         assert cfg.kv_cache_gb > 0, "recipe checks refuse rollout.kv_cache_gb <= 0"
         memory = {"kv_cache_memory_bytes": math.ceil(cfg.kv_cache_gb * (1 << 30))}
@@ -99,6 +112,8 @@ def engine_args(
         worker_extension_cls="rollout.weight_receiver.WeightReceiver",
         # vLLM's sleep mode frees accelerator memory; on CPU there is nothing to hand over.
         enable_sleep_mode=not current_platform.is_cpu(),
+        # Each request's output carries the experts every position it ran was routed to.
+        enable_return_routed_experts=record_routing,
         **memory,
         **lora_args(lora),
     )
@@ -118,6 +133,7 @@ class VLLMEngine:
         dtype: str,
         seed: int,
         lora: LoraConfig | None = None,
+        record_routing: bool = False,
     ) -> None:
         start = time.perf_counter()
         num_threads = _configure_environment()
@@ -125,7 +141,8 @@ class VLLMEngine:
 
         check_vllm(vllm)
         vllm_shm.remove_dead_engines_segments()
-        args = engine_args(model_path, cfg, dtype, seed, lora)
+        args = engine_args(model_path, cfg, dtype, seed, lora, record_routing)
+        self._record_routing = record_routing
         # With LoRA: the adapter's settings for the receivers, and the adapter every request
         # runs with (none at version 0, whose adapters are zero: the base).
         self._lora = lora.peft_dict() if lora is not None and lora.enabled else None
@@ -192,6 +209,8 @@ class VLLMEngine:
             for completion in output.outputs:
                 sample = request[completion.index]
                 self._append(sample, completion.token_ids, completion.logprobs)
+                if self._record_routing:
+                    extend_record(sample, completion.routed_experts)
                 sample.finish_reason = _finish_reason(completion.finish_reason, sample, params)
                 sample.request_prompt_tokens += len(output.prompt_token_ids)
                 cached = output.num_cached_tokens or 0
@@ -230,11 +249,15 @@ class VLLMEngine:
                 self._append(
                     sample, state.detokenizer.output_token_ids, state.logprobs_processor.logprobs
                 )
+                if self._record_routing and state.routed_experts_chunks:
+                    extend_record(sample, np.concatenate(state.routed_experts_chunks))
                 parent = state.parent_req
             for completion in parent.output_aggregator if parent is not None else ():
                 if completion is not None:
                     sample = request[completion.index]
                     self._append(sample, completion.token_ids, completion.logprobs)
+                    if self._record_routing:
+                        extend_record(sample, completion.routed_experts)
                     sample.finish_reason = _finish_reason(completion.finish_reason, sample, params)
 
     def _append(self, sample: Sample, token_ids: list[int], logprobs: list[dict]) -> None:
@@ -269,7 +292,16 @@ class VLLMEngine:
             logprobs=0,
             detokenize=False,
             output_kind=self._final_only,  # see _take_held_outputs
+            **self._routing_params(sample),
         )
+
+    def _routing_params(self, sample: Sample) -> dict[str, int]:
+        """Recording routing: return it from the first position the sample's record lacks (a
+        resumed sample's holds its first positions already)."""
+        if not self._record_routing:
+            return {}
+        held = 0 if sample.routed_experts is None else len(sample.routed_experts)
+        return {"routed_experts_prompt_start": held}
 
     def score(self, sequences: list[list[int]], num_prompt_tokens: list[int]) -> list[list[float]]:
         """Log-probs at temperature 1 of sequences[i][num_prompt_tokens[i]:], each given its prefix.
@@ -391,6 +423,22 @@ class VLLMEngine:
 def _take_peak_memory_bytes(worker: object) -> int:
     """Run by collective_rpc in each TP rank's process; `worker` is vLLM's worker there."""
     return take_peak_memory_bytes()
+
+
+def extend_record(sample: Sample, rows: np.ndarray | None) -> None:
+    """Append the routing rows vLLM returned for `sample`'s request ([positions, layers, k]
+    from the request's routed_experts_prompt_start on, up to its last token, which it never
+    ran) to the sample's record (rl.types.Sample.routed_experts)."""
+    assert rows is not None, "vLLM returned no routed experts for a request that asked for them"
+    # vLLM returns the narrowest dtype that holds every expert id: uint8 up to 256 experts.
+    dtype = torch.uint8 if rows.dtype == np.uint8 else torch.int16
+    new = torch.from_numpy(np.ascontiguousarray(rows)).to(dtype)
+    record = new if sample.routed_experts is None else torch.cat([sample.routed_experts, new])
+    expected = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    assert len(record) == expected, (
+        f"routing record of {len(record)} positions for a sample of {expected + 1} tokens"
+    )
+    sample.routed_experts = record
 
 
 def _finish_reason(vllm_reason: str, sample: Sample, params: SamplingParams) -> str:

@@ -16,7 +16,7 @@ from rl.types import Sample
 from rollout.engines.contract import RolloutEngine
 from rollout.engines.registry import build_engine
 from tests.helpers.chat_templates import qwen_tokenizer
-from trainer.hf_model import new_qwen2, save_hf_atomic
+from trainer.hf_model import new_model, save_hf_atomic
 
 PARITY_TOL = 1e-4  # fp32 engine log-probs against a plain HF forward
 TEMPERATURE = 0.7
@@ -51,7 +51,7 @@ def build_checkpoint(path: Path, tied: bool) -> Path:
         intermediate_size=128,
         tie_word_embeddings=tied,
     )
-    model = new_qwen2(cfg, tokenizer, seed=0)
+    model = new_model(cfg, tokenizer, seed=0)
     make_turns_short(model, tokenizer.eos_token_id)
     return save_hf_atomic(model, tokenizer, path)
 

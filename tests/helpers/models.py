@@ -7,10 +7,17 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from rl.config import BaseBuildConfig
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import new_model, save_hf_atomic, train_tokenizer
 
 
 def _arithmetic_corpus(num_lines: int = 2000) -> list[str]:
@@ -33,7 +40,7 @@ def build_tiny_checkpoint(path: Path, tie_word_embeddings: bool, seed: int = 0) 
         tie_word_embeddings=tie_word_embeddings,
     )
     tokenizer = train_tokenizer(_arithmetic_corpus(), cfg.vocab_size)
-    model = new_qwen2(cfg, tokenizer, seed=seed)
+    model = new_model(cfg, tokenizer, seed=seed)
     return save_hf_atomic(model, tokenizer, path)
 
 
@@ -52,6 +59,45 @@ def build_checkpoint(path: Path, arch: str, tie_word_embeddings: bool, **sizes: 
             "num_key_value_heads": 1,
             **sizes,
         },
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_hf_atomic(model, tokenizer, path)
+
+
+# arch -> (HF config class, its mixture-of-experts keys) for `build_moe_checkpoint`.
+MOE_ARCHITECTURES = {
+    "qwen3_moe": (Qwen3MoeConfig, {"moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+    ),
+    "mixtral": (MixtralConfig, {}),  # its experts are intermediate_size wide
+}
+
+
+def build_moe_checkpoint(path: Path, arch: str, tie_word_embeddings: bool = False) -> Path:
+    """A random 2-layer mixture of experts (8 experts, top-2, head_dim 32; qwen2_moe with a
+    gated shared expert) with the tiny tokenizer, saved as `save_pretrained` writes it: one
+    tensor per expert and projection."""
+    tokenizer = train_tokenizer(_arithmetic_corpus(), 64)
+    config_class, experts = MOE_ARCHITECTURES[arch]
+    num_experts = {"num_local_experts" if arch == "mixtral" else "num_experts": 8}
+    config = config_class(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts_per_tok=2,
+        **num_experts,
+        **experts,
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,

@@ -12,13 +12,15 @@ import pytest
 
 from tests.helpers.repo import REPO
 
-# What the inference and training sides may import of the controller; rl.agents is the
+# What the inference and training sides may import of the controller (rl.expert_routing: the
+# router hooks both sides put on a mixture of experts); rl.agents is the
 # episode logic the rollout workers run (itself a leaf, below); rl.shm_owners names the files
 # a process leaves in /dev/shm (a leaf); rl.sandbox takes the run's sandbox policy (an agent's
 # tools and environment run in the rollout workers' sandboxes).
 _ALLOWED_FROM_RL = (
     "rl.config",
     "rl.types",
+    "rl.expert_routing",
     "rl.sync.plan",
     "rl.sync.transport",
     "rl.observe",

@@ -23,7 +23,7 @@ from rl.config import BaseBuildConfig, Config
 from rl.data.loading import PromptStream
 from rl.data.prompts import encode_prompt
 from rl.data.tasks import get_task
-from trainer.hf_model import new_qwen2
+from trainer.hf_model import new_model
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def test_greedy_accuracy_scores_left_padded_batches(tiny_model_dir: Path) -> Non
 def test_sft_stops_at_the_target_accuracy(tiny_model_dir: Path, target: float, steps: int) -> None:
     cfg = BaseBuildConfig(**_TINY_BASE, sft_steps=VALIDATE_EVERY + 5, sft_target_accuracy=target)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = new_qwen2(cfg, tokenizer, seed=0)
+    model = new_model(cfg, tokenizer, seed=0)
     stream = PromptStream([{"prompt": "1+2", "answer": "3"}], seed=0)
     calls = []
 

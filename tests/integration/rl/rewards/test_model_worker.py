@@ -22,7 +22,7 @@ from rl.rewards import RewardScorer
 from rl.rewards import scorer as scorer_module
 from rl.rewards.model import RewardModel
 from rl.rewards.model_worker import RewardModelWorker
-from trainer.hf_model import new_qwen2, save_hf_atomic, train_tokenizer
+from trainer.hf_model import new_model, save_hf_atomic, train_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     corpus = [f"{a}+{b}={a + b}" for a in range(0, 1000, 37) for b in range(0, 1000, 53)]
     tokenizer = train_tokenizer(corpus, base.vocab_size)
-    config = new_qwen2(base, tokenizer, seed=0).config
+    config = new_model(base, tokenizer, seed=0).config
     config.num_labels = 1
     config.pad_token_id = None  # RewardModel must set it, or padded rows read a pad token
     torch.manual_seed(0)

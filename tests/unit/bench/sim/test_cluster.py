@@ -124,3 +124,28 @@ def test_a_kv_cache_that_cannot_hold_one_sample_is_refused() -> None:
     workload = exact(2, max_tokens=2_000_000)
     with pytest.raises(ValueError, match="less than one sample"):
         cluster.simulate(COST, cluster.Placement.split(2, 1), workload, cluster.Schedule(0))
+
+
+def test_a_simulated_mixture_of_experts_trains_as_its_active_size_and_syncs_its_total() -> None:
+    # Qwen3-30B-A3B's size: 30.5B parameters, 3.35B a token; dense twins of each size.
+    moe = costs.Model("MoE", 30.5e9, 48, 2048, 4, 128, tp=1, active_params=3.35e9)
+    twins = {
+        "moe": moe,
+        "active": dataclasses.replace(moe, params=3.35e9, active_params=None),
+        "total": dataclasses.replace(moe, active_params=None),
+    }
+    steps = {
+        name: cluster.simulate(
+            costs.CostModel(costs.H200, model), cluster.Placement.split(2, 1), exact(2),
+            cluster.Schedule(0),
+        ).steps[-1]
+        for name, model in twins.items()
+    }  # fmt: skip
+    assert steps["moe"]["perf/busy_s_train"] == pytest.approx(
+        steps["active"]["perf/busy_s_train"], rel=1e-9
+    )
+    assert steps["moe"]["time/sync_s"] == pytest.approx(steps["total"]["time/sync_s"], rel=1e-9)
+    # A sync of the total's bytes over the network, a step training 2 x 1,100 tokens.
+    assert steps["moe"]["time/sync_s"] == pytest.approx(2 * 30.5e9 / 50e9 + 0.1, rel=1e-9)
+    flops = 2 * (6 * 3.35e9 * 1100 + 6 * 48 * 2048 * 1100**2)
+    assert steps["moe"]["perf/busy_s_train"] == pytest.approx(flops / (989e12 * 0.35), rel=1e-9)

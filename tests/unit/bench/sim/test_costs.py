@@ -4,6 +4,8 @@ not), and the memory and FLOP formulas written out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.unit.bench.bench_modules import bench_import
@@ -67,3 +69,37 @@ def test_a_sync_moves_each_engine_gpus_share_of_the_bf16_weights_over_its_link()
     cost = costs.CostModel(costs.H200, costs.QWEN25_32B)  # TP 2: half the weights a GPU
     assert cost.sync_s(colocated_on_one_node=True) == pytest.approx(2 * 32.8e9 / 2 / 450e9 + 0.1)
     assert cost.sync_s(colocated_on_one_node=False) == pytest.approx(2 * 32.8e9 / 2 / 50e9 + 0.1)
+
+
+def _moe_and_its_dense_twins() -> tuple:
+    """A mixture of experts of Qwen3-30B-A3B's size (30.5B parameters, 3.35B a token), a dense
+    model of its active size and one of its total size, their shapes otherwise the same."""
+    moe = costs.Model("MoE", 30.5e9, 48, 2048, 4, 128, tp=1, active_params=3.35e9)
+    active = dataclasses.replace(moe, name="dense-active", params=3.35e9, active_params=None)
+    total = dataclasses.replace(moe, name="dense-total", active_params=None)
+    return moe, active, total
+
+
+def test_a_mixture_of_experts_computes_with_its_active_and_moves_its_total_parameters() -> None:
+    moe, active, total = (costs.CostModel(costs.H200, m) for m in _moe_and_its_dense_twins())
+    s = 4096
+    # Compute: 6 (training) or 2 (a forward) FLOPs an active parameter, as the dense twin.
+    flops = 6 * 3.35e9 * s + 6 * 48 * 2048 * s * s
+    assert moe.train_s([s], gpus=8) == pytest.approx(flops / (8 * 989e12 * 0.35))
+    assert moe.train_s([s], gpus=8) == active.train_s([s], gpus=8)
+    assert moe.annotate_s([s], gpus=8) == active.annotate_s([s], gpus=8)
+    assert moe.prefill_s(s, 512) == active.prefill_s(s, 512)
+    # Bytes: every expert's bf16 weights, as the dense model of the total size.
+    assert moe.sync_s(colocated_on_one_node=False) == pytest.approx(2 * 30.5e9 / 50e9 + 0.1)
+    assert moe.sync_s(colocated_on_one_node=True) == total.sync_s(colocated_on_one_node=True)
+    assert moe.engine_sleep_s() == total.engine_sleep_s()
+    assert moe.trainer_offload_s(8) == total.trainer_offload_s(8)
+    assert moe.kv_capacity_tokens() == total.kv_capacity_tokens()
+    # A decode step reads every expert's weights, or multiplies with the active ones.
+    batch, context = 256, 256 * 1000
+    kv = 2 * 48 * 4 * 128 * 2
+    memory = (2 * 30.5e9 + kv * context) / (4.8e12 * 0.8)
+    compute = 2 * 3.35e9 * batch / (989e12 * 0.5)
+    assert moe.decode_step_s(batch, context) == pytest.approx(
+        0.001 + 4.5e-5 * batch + max(memory, compute)
+    )

@@ -8,6 +8,7 @@ be what Qwen2.5's template renders for the conversation with the sampled turns a
 import json
 
 import pytest
+import torch
 from openai.types.chat import ChatCompletionMessage
 
 from rl.agents.api_calls import Limits, ReplayMismatch, begin_call, end_call, final_answer
@@ -296,3 +297,16 @@ def test_completions_extend_when_the_prompt_starts_with_the_text_held(tokenizer)
     with pytest.raises(BadRequest, match="all chat completions or all completions"):
         begin_call(tokenizer, sample, mixed, LIMITS)
     assert json.dumps(sample.episode.calls)  # the record is JSON, for checkpoints
+
+
+def test_a_prefix_break_hands_the_routing_record_to_the_segment_it_closes(tokenizer) -> None:
+    """A mixture of experts' record (rl.types.Sample.routed_experts) belongs to the sequence
+    whose positions it holds: the closed segment keeps it, the new sequence starts without."""
+    sample = _sample()
+    first = _served(tokenizer, sample, _chat([USER]), ANSWER)
+    positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    record = torch.randint(0, 8, (positions, 2, 2), dtype=torch.uint8)
+    sample.routed_experts = record
+    begin_call(tokenizer, sample, _chat(BREAKS[0](first["reply"])), LIMITS)
+    [segment] = sample.episode.segments
+    assert segment.routed_experts is record and sample.routed_experts is None

@@ -17,7 +17,7 @@ from rl.run.experience import prepare_batch
 from rl.types import NOT_SAMPLED, Sample
 from tests.helpers.chat_templates import qwen_tokenizer
 from tests.unit.rl.algorithms.tensors import GARBAGE, close
-from trainer.hf_model import new_qwen2
+from trainer.hf_model import new_model
 
 TURN_1 = (
     "Let me check the weather in Paris.\n"
@@ -63,7 +63,7 @@ def episode_run():
     shape = BaseBuildConfig(
         hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
     )
-    model = new_qwen2(shape, tokenizer, seed=0).eval()
+    model = new_model(shape, tokenizer, seed=0).eval()
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

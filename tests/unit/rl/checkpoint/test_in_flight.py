@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 
 from rl.agents.environment import Environment
 from rl.checkpoint.in_flight import in_flight_from_json, in_flight_to_json
@@ -124,3 +125,22 @@ def test_the_teachers_log_probs_are_left_out_and_scored_again_on_resume() -> Non
     (group,) = _through_json(_state(sample)).groups
     assert group.samples[0].teacher_logprobs is None and not group.annotated
     assert group.samples[0].logprobs == [-0.5, -0.25]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_a_samples_routing_record_comes_back_exactly(dtype: torch.dtype) -> None:
+    sample = Sample([1, 2], 3, 0, [7, 8, 9], [-0.5, -0.25, -1.0], [1, 1, 2], "abort", "789")
+    record = torch.randint(0, 300 if dtype == torch.int16 else 256, (4, 3, 2), dtype=dtype)
+    sample.routed_experts = record
+    (group,) = _through_json(_state(sample)).groups
+    restored = group.samples[0].routed_experts
+    assert restored.dtype == dtype and torch.equal(restored, record)
+
+
+def test_a_routing_record_of_the_wrong_size_is_refused_naming_where() -> None:
+    sample = Sample([1], 3, 0, [2], [-1.0], [0])
+    sample.routed_experts = torch.zeros(1, 2, 2, dtype=torch.uint8)
+    record = json.loads(json.dumps(in_flight_to_json(_state(sample))))
+    record["groups"][0]["samples"][0]["routed_experts"]["shape"] = [2, 2, 2]
+    with pytest.raises(ValueError, match=r"ckpt/driver.json \(in_flight\): .* holds 4 bytes"):
+        in_flight_from_json(record, "ckpt/driver.json (in_flight)", None)

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from rl.cluster.memory_plan import (
     GIB,
@@ -17,6 +25,7 @@ from rl.cluster.memory_plan import (
     PlanDoesNotFit,
     check_fits,
     largest_bucket_bytes,
+    memory_report,
     teacher_rank,
     trainer_rank,
 )
@@ -42,6 +51,45 @@ LLAMA_HEAD_DIM = LlamaConfig(
     vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=3, num_key_value_heads=1, head_dim=48,
 )  # fmt: skip
+# Qwen3-30B-A3B as its config.json describes it (Qwen publishes 30.5B parameters).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "attention_bias": False, "tie_word_embeddings": False,
+}  # fmt: skip
+# Small mixtures of experts, for counts against the models transformers builds. The Qwen2-MoE
+# has experts only in layer 1 of 4: layer 3 is in mlp_only_layers, layers 0 and 2 fall
+# between every decoder_sparse_step-th.
+MOE_CONFIGS = {
+    "qwen3-moe": Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen3-moe-attention-bias-tied": Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=1, attention_bias=True, tie_word_embeddings=True,
+    ),
+    "qwen2-moe-shared-expert-sparse-step": Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+        shared_expert_intermediate_size=112, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    ),
+    "qwen2-moe-no-qkv-bias": Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, qkv_bias=False,
+    ),
+    "mixtral": MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+}  # fmt: skip
 
 
 def _shape(tmp_path: Path, config: dict) -> ModelShape:
@@ -78,6 +126,125 @@ def test_parameter_count_matches_the_model_transformers_builds(config, tmp_path:
     config.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert ModelShape.read(tmp_path).num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_dense_parameter_count_includes_its_query_and_key_norms(tmp_path: Path) -> None:
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert ModelShape.read(tmp_path).num_params == sum(p.numel() for p in model.parameters())
+
+
+def _active_params_of(model: torch.nn.Module) -> int:
+    """A token's parameters in the HF model: all of them, less the routed experts it is not
+    sent to (each sparse layer's fused expert tensors hold E experts; a token uses top-k)."""
+    active = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            num_experts = module.gate_up_proj.shape[0]
+            per_expert = (module.gate_up_proj.numel() + module.down_proj.numel()) // num_experts
+            active -= (num_experts - model.config.num_experts_per_tok) * per_expert
+    return active
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_moe_total_and_active_parameters_match_the_model_transformers_builds(
+    name: str, tmp_path: Path
+) -> None:
+    config = MOE_CONFIGS[name]
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shape = ModelShape.read(tmp_path)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.num_active_params == _active_params_of(model)
+    assert shape.num_active_params < shape.num_params
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen2_moe"])
+def test_the_mixtures_rl_build_base_makes_are_counted_as_transformers_builds_them(
+    architecture: str, tmp_path: Path
+) -> None:
+    from rl.config import BaseBuildConfig
+    from trainer.hf_model import new_model, train_tokenizer
+
+    cfg = BaseBuildConfig(
+        architecture=architecture, vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=1, intermediate_size=96, num_experts=4, experts_per_token=2,
+        moe_intermediate_size=32,
+    )  # fmt: skip
+    corpus = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    model = new_model(cfg, train_tokenizer(corpus, 64), seed=0)
+    model.config.save_pretrained(tmp_path)
+    shape = ModelShape.read(tmp_path)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.num_active_params == _active_params_of(model)
+
+
+def test_mixtral_8x7b_has_its_published_total_and_active_parameters(tmp_path: Path) -> None:
+    config = {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    }  # fmt: skip
+    shape = _shape(tmp_path, config)
+    # By hand: q and o (4096 x 4096), k and v (4096 x 1024), two norms, the router (8 x 4096),
+    # and 8 experts (or the token's 2) of three 4096 x 14336 matrices; the embedding and head.
+    common = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 4096 + 8 * 4096
+    root = 2 * 32000 * 4096 + 4096
+    assert shape.num_params == 32 * (common + 8 * 3 * 4096 * 14336) + root
+    assert shape.num_active_params == 32 * (common + 2 * 3 * 4096 * 14336) + root
+    # Mistral AI's announcement: 46.7B total, 12.9B used per token.
+    assert (round(shape.num_params / 1e8), round(shape.num_active_params / 1e8)) == (467, 129)
+
+
+def test_qwen3_30b_a3b_counts_every_expert_in_memory_and_gathers_a_layer_of_them(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN3_30B_A3B)
+    # By hand, one layer: q and o (2048 x 4096), k and v (2048 x 512), q and k norms (128), two
+    # norms, the router (128 x 2048) and 128 experts of three 2048 x 768 matrices.
+    common = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048 + 128 * 2048
+    layer = common + 128 * 3 * 2048 * 768
+    root = 2 * 151936 * 2048 + 2048
+    total = 48 * layer + root
+    active = 48 * (common + 8 * 3 * 2048 * 768) + root
+    assert (shape.num_params, shape.num_active_params) == (total, active)
+    assert round(total / 1e8) == 305  # Qwen's model card: 30.5B
+    parts = trainer_rank(_gpu_config(trainer={"activation_checkpointing": True}), shape).parts
+    # Every expert's fp32 weights, gradients and AdamW moments, sharded over 8 ranks.
+    assert parts["params"] + parts["grads"] + parts["optimizer"] == 16 * total / 8
+    # zero3 gathers the root and two layers, each with all its experts, in bf16.
+    assert parts["gathered"] == 2 * (root + 2 * layer)
+    # A token's sparse layer saves the router's 128 logits and, for each of its 8 experts, its
+    # copy of the token and output (2048 each) and gate, up, activation, product (768 each).
+    per_layer = 5 * 2048 + 2 * 512 + 128 + 8 * (2 * 2048 + 4 * 768)
+    assert parts["activations"] == 2 * 8 * 1536 * (48 * 2048 + per_layer)
+    # A layer's fused expert tensors (gate/up and down of 128 experts) are one load unit,
+    # larger than the 151936 x 2048 embedding: a weight sync's bucket holds them whole.
+    assert largest_bucket_bytes(_gpu_config(), shape) == 2 * 128 * 3 * 768 * 2048
+
+
+def test_the_dry_run_says_total_and_active_parameters_of_a_mixture(tmp_path: Path) -> None:
+    _shape(tmp_path, QWEN3_30B_A3B)
+    cfg = _gpu_config(
+        model={"path": str(tmp_path)},
+        trainer={"activation_checkpointing": True},
+        rollout={"num_workers": 4, "tensor_parallel_size": 2},
+    )
+    report = memory_report(cfg, device_memory_gb=141)
+    # The counts of the test above, 30,532,122,624 and 3,353,032,704, in billions.
+    assert report.startswith(
+        "model: 30.532B total / 3.353B active parameters (128 experts, 8 a token)"
+    )
+
+
+def test_an_unknown_mixture_of_experts_is_refused_not_counted_as_dense(tmp_path: Path) -> None:
+    config = {**QWEN_7B, "model_type": "deepseek_v3", "n_routed_experts": 256}
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3', which the memory estimate"):
+        _shape(tmp_path, config)
 
 
 def test_qwen2_5_0_5b_has_its_published_parameter_count(tmp_path: Path) -> None:
@@ -244,6 +411,22 @@ def test_lora_adapter_count_matches_the_adapters_peft_adds(
 
     config.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+    trainable, _ = peft_model.get_nb_trainable_parameters()
+    assert ModelShape.read(tmp_path).num_adapter_params(8, targets) == trainable
+
+
+@pytest.mark.parametrize("name", ["qwen2-moe-shared-expert-sparse-step", "mixtral"])
+def test_lora_on_a_mixture_counts_adapters_on_the_linear_modules_each_layer_has(
+    name: str, tmp_path: Path
+) -> None:
+    # gate/up/down_proj are linear modules in Qwen2-MoE's dense layers and shared experts
+    # only: peft gives Mixtral's and these routed experts (fused tensors) no adapter.
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    MOE_CONFIGS[name].save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(MOE_CONFIGS[name], dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     trainable, _ = peft_model.get_nb_trainable_parameters()
     assert ModelShape.read(tmp_path).num_adapter_params(8, targets) == trainable

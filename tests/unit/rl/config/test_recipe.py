@@ -11,7 +11,12 @@ from transformers import AutoTokenizer
 from rl.config import Config
 from rl.config.recipe import ConfigError, check_inputs, dry_run_report, load_config
 from rl.data.prompts import padding_id
-from tests.helpers.models import build_checkpoint, build_tiny_checkpoint, remove_pad_token
+from tests.helpers.models import (
+    build_checkpoint,
+    build_moe_checkpoint,
+    build_tiny_checkpoint,
+    remove_pad_token,
+)
 from tests.helpers.repo import REPO, shipped_recipes
 from trainer.hf_model import train_tokenizer
 
@@ -445,3 +450,32 @@ def test_a_missing_teacher_is_refused_before_anything_starts(tmp_path: Path) -> 
     student = build_tiny_checkpoint(tmp_path / "student", tie_word_embeddings=False)
     with pytest.raises(ConfigError, match=r"teacher.path=.*absent' is not a Hugging Face"):
         check_inputs(_distill_config(student, tmp_path / "absent"), "recipe.yaml")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "model.routing_replay=true",
+        "algorithm.router_balance_coef=0.01",
+        "algorithm.router_z_coef=1e-3",
+    ],
+)
+def test_a_mixture_of_experts_setting_on_a_dense_model_is_refused(
+    tmp_path: Path, setting: str
+) -> None:
+    dense = _model_dir_config(build_tiny_checkpoint(tmp_path / "dense", tie_word_embeddings=False))
+    key = setting.split("=")[0]
+    overrides = [f"model.path={dense.model.path}", setting]
+    cfg = load_config(REPO / "recipes/grpo_addition_cpu.yaml", overrides)
+    with pytest.raises(ConfigError, match=rf"{key} is for a mixture of experts' routers, but the "):
+        check_inputs(cfg, "recipe.yaml")
+    # The base a recipe builds is checked before it exists.
+    unbuilt = [f"model.path={tmp_path / 'unbuilt'}", "base.build_if_missing=true", setting]
+    cfg = load_config(REPO / "recipes/grpo_addition_cpu.yaml", unbuilt)
+    with pytest.raises(ConfigError, match=r"base.architecture=qwen2"):
+        check_inputs(cfg, "recipe.yaml")
+    moe = build_moe_checkpoint(tmp_path / "moe", "qwen3_moe")
+    check_inputs(
+        load_config(REPO / "recipes/grpo_addition_cpu.yaml", [f"model.path={moe}", setting]),
+        "recipe.yaml",
+    )

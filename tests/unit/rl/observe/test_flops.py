@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from rl.cluster.memory_plan import ModelShape
-from rl.observe.flops import peak_flops, train_flops, train_flops_per_token
+from rl.observe.flops import (
+    forward_flops_per_token,
+    peak_flops,
+    train_flops,
+    train_flops_per_token,
+)
 
 # Qwen2.5-0.5B: L = 24 layers, H = 14 heads of Q = 896 / 14 = 64 dimensions.
 QWEN25_05B = {
@@ -38,6 +43,30 @@ def test_a_batch_counts_each_tokens_attention_over_its_own_sequence(shape: Model
     # 1024 tokens of a 1024-token sequence and 512 of a 512-token one.
     expected = 1024 * (6 * N + 12 * 24 * 14 * 64 * 1024) + 512 * (6 * N + 12 * 24 * 14 * 64 * 512)
     assert train_flops(shape, [1024, 512]) == expected
+
+
+def test_a_mixture_of_experts_counts_the_parameters_a_token_uses(tmp_path: Path) -> None:
+    # Qwen3-30B-A3B's config.json: 48 layers, 32 heads of 128, 128 experts of which 8 a token.
+    config = {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.read(tmp_path)
+    # A token's parameters: per layer q and o (2048 x 4096), k and v (2048 x 512), the q and k
+    # norms (128), two norms, the router (128 x 2048) and 8 experts of three 2048 x 768
+    # matrices; the embedding, the untied head and the final norm.
+    layer = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048 + 128 * 2048
+    active = 48 * (layer + 8 * 3 * 2048 * 768) + 2 * 151936 * 2048 + 2048
+    assert train_flops_per_token(shape, 1024) == 6 * active + 12 * 48 * 32 * 128 * 1024
+    # A forward alone (generation, log-probs): 2 FLOPs a parameter, attention's forward.
+    assert forward_flops_per_token(shape, 1024) == 2 * active + 4 * 48 * 32 * 128 * 1024
+
+
+def test_a_forward_of_a_dense_model_is_2n_plus_4lhqt(shape: ModelShape) -> None:
+    assert forward_flops_per_token(shape, 1024) == 2 * N + 4 * 24 * 14 * 64 * 1024
 
 
 def test_known_gpus_have_a_peak_and_cpus_none() -> None:

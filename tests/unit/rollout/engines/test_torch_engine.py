@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.config import RolloutConfig
+from rl.expert_routing import ExpertRouting, moe_routers
 from rl.types import Sample, SamplingParams, fresh_samples
 from rollout.engines.torch_engine import TorchEngine, _top_p
+from tests.helpers.models import build_moe_checkpoint
 
 CFG = RolloutConfig(engine="torch", max_model_len=64)
 
@@ -122,3 +124,61 @@ def test_a_group_prefills_its_prompt_once_and_samples_it_as_if_alone(
     for sample in samples:
         expected = _expected(tiny_model_dir, sample, 0.7, 1.0)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_moe_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
+
+
+def _natural_routing(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:
+    """The experts transformers' own forward over `sequence` (all but its last token) routes
+    each position to: [positions, layers, k], each row's ids sorted."""
+    routing = ExpertRouting(model)
+    with torch.no_grad():
+        model(torch.tensor([sequence[:-1]]))
+    routing.remove()
+    return routing.recorded().sort(dim=-1).values
+
+
+def test_recorded_routing_has_a_row_per_position_run_as_a_whole_forward_routes_it(
+    moe_dir: Path,
+) -> None:
+    engine = TorchEngine(str(moe_dir), CFG, "float32", seed=0, record_routing=True)
+    samples = fresh_samples([[5, 6, 7], [20, 21, 22, 23]], 2, [0, 1])
+    engine.generate(samples, SamplingParams(temperature=1.0, max_new_tokens=6, seed=7))
+    for sample in samples:
+        sequence = sample.prompt_ids + sample.response_ids
+        record = sample.routed_experts
+        assert record.dtype == torch.uint8 and record.shape == (len(sequence) - 1, 2, 2)
+        expected = _natural_routing(AutoModelForCausalLM.from_pretrained(moe_dir), sequence)
+        assert torch.equal(record.long().sort(dim=-1).values, expected)
+
+
+def test_a_resumed_sample_keeps_the_rows_recorded_before_its_abort(moe_dir: Path) -> None:
+    engine = TorchEngine(str(moe_dir), CFG, "float32", seed=0, record_routing=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7, stop_every=3)
+    samples = fresh_samples([[5, 6, 7, 8]], 1, [0])
+    engine.generate(samples, params)
+    (sample,) = samples
+    assert sample.finish_reason == "abort" and len(sample.response_ids) == 3
+    first = sample.routed_experts
+    assert len(first) == 4 + 3 - 1
+    # The weights change before it resumes: its earlier rows stay as first recorded.
+    with torch.no_grad():
+        for router in moe_routers(engine._model):
+            router.weight.neg_()
+    while sample.finish_reason == "abort":
+        engine.generate([sample], params)
+    record = sample.routed_experts.long().sort(dim=-1).values
+    sequence = sample.prompt_ids + sample.response_ids
+    assert len(record) == len(sequence) - 1
+    assert torch.equal(sample.routed_experts[: len(first)], first)
+    now = _natural_routing(engine._model, sequence)
+    assert torch.equal(record[len(first) :], now[len(first) :])
+    assert not torch.equal(record[: len(first)], now[: len(first)])
+
+
+def test_recording_routing_of_a_dense_model_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        TorchEngine(str(tiny_model_dir), CFG, "float32", seed=0, record_routing=True)
