@@ -54,17 +54,20 @@ def logprobs(
     acc = torch.promote_types(weight.dtype, torch.float32)
     tau = torch.as_tensor(temperature, dtype=acc, device=hidden.device)
     tau = tau.expand(targets.shape).reshape(-1)
-    if not bool((tau > 0).all()):
-        raise ValueError("temperature must be > 0 for log-probs")
-
     flat_targets = targets.reshape(-1)
-    keep = (flat_targets != ignore_index).nonzero().squeeze(1)
+    live = flat_targets != ignore_index
+    outside = live & ((flat_targets < 0) | (flat_targets >= vocab_size))
+    # The checks and the number of kept rows in one read from the device: each read waits
+    # for everything queued before it, once per call rather than once per check.
+    counts = torch.stack([(~(tau > 0)).sum(), outside.sum(), live.sum()]).tolist()
+    non_positive, num_outside, num_kept = counts
+    if non_positive:
+        raise ValueError("temperature must be > 0 for log-probs")
+    if num_outside:
+        raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index")
+    keep = torch.nonzero_static(live, size=num_kept).squeeze(1)  # its size known: no read
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     kept_targets = flat_targets[keep]
-    if kept_targets.numel() and not bool(
-        (kept_targets >= 0).all() & (kept_targets < vocab_size).all()
-    ):
-        raise ValueError(f"targets must be in [0, {vocab_size}) or equal ignore_index")
     # index_select copies only the kept rows ([n_kept, d]); its backward scatters gradients
     # back, so ignored rows get exactly 0.
     args = (flat_hidden.index_select(0, keep), weight, kept_targets, 1.0 / tau[keep])

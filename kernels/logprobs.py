@@ -198,9 +198,13 @@ def chunked_grads(
                 z.sub_(g[:, None])
             grad_z = z.mul_(p)
             if grad_logprob is not None:
+                # + g_lp at the target of each row whose target is in this tile; other rows
+                # add 0 at a clamped column. No data-dependent shape (as nonzero's), so the
+                # host never waits for the device here.
                 local = targets[rows] - cols.start
-                inside = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
-                grad_z.index_put_((inside, local[inside]), g[inside], accumulate=True)
+                inside = (local >= 0) & (local < z.shape[1])
+                column = local.clamp(0, z.shape[1] - 1)[:, None]
+                grad_z.scatter_add_(1, column, torch.where(inside, g, 0.0)[:, None])
             # Chain rule through z = raw / tau; the two matmuls run at the weight's precision.
             grad_z = grad_z.mul_(inv_tau[rows, None]).to(weight.dtype)
             if grad_hidden is not None:

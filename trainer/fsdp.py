@@ -29,6 +29,13 @@ from trainer.rank_local_load import (
     meta_causal_lm,
     meta_lora,
 )
+from trainer.sequence_parallel import (
+    SequenceParallel,
+    gather_positions,
+    merge_slices,
+    prepare_model,
+    shard_input,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,13 +48,21 @@ class LogProbModel(nn.Module):
     unshards everything not in a decoder layer (embeddings, final norm, lm_head) around it.
     """
 
-    def __init__(self, model: PreTrainedModel, cfg: TrainerConfig) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cfg: TrainerConfig,
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.cfg = cfg
         # A mixture of experts: hooks on its routers replay the inputs' recorded experts and
         # keep each layer's last router call (logits, natural and used experts).
         self.routing = ExpertRouting(model) if moe_routers(model) else None
+        # trainer.sequence_parallel > 1: this rank's group (`prepare_model` switched the
+        # model's attention to the sequence-parallel one).
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, inputs: ModelInput, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob, entropy) [B, T-1] fp32 of the micro-batch `inputs` was built from.
@@ -55,21 +70,42 @@ class LogProbModel(nn.Module):
         Position t scores input_ids[:, t+1] under softmax(logits_t / temperature); padding
         targets are skipped by the kernel and score 0. A mixture of experts routes each
         position to `inputs.routing`'s experts where it has them.
+
+        Under sequence parallelism the decoder and the kernel run on this rank's chunk of
+        every packed row (`trainer.sequence_parallel`), and every rank of the group returns
+        the whole micro-batch's results.
         """
         if self.routing is not None:
             routing = inputs.routing
             self.routing.replay = None if routing is None else routing.flatten(0, 1).long()
-        out = self.model.get_decoder()(
-            input_ids=inputs.input_ids,
-            attention_mask=inputs.attention_mask,
-            position_ids=inputs.position_ids,
+        sp = self.sequence_parallel
+        if sp is None:
+            hidden = self.model.get_decoder()(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+                use_cache=False,
+            ).last_hidden_state
+            scored = self._score(inputs.target_hidden(hidden), inputs.targets, temperature)
+            return inputs.unpack(scored[0]), inputs.unpack(scored[1])
+        shard = shard_input(inputs, sp.rank, sp.size)
+        hidden = self.model.get_decoder()(
+            input_ids=shard.input_ids,
+            attention_mask=shard.attention_mask,
+            position_ids=shard.position_ids,
             use_cache=False,
-        )
-        args = (
-            inputs.target_hidden(out.last_hidden_state),
-            self.model.get_output_embeddings().weight,
-            inputs.targets,
-        )
+            sequence_parallel=sp,  # to `ulysses_attention`
+        ).last_hidden_state
+        scored = self._score(hidden, shard.targets, temperature)
+        logprob, entropy = (merge_slices(gather_positions(x, sp), inputs) for x in scored)
+        return logprob, entropy
+
+    def _score(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob, entropy) of `targets` from the decoder's outputs `hidden` at the
+        positions that score them (their shape and a hidden size), 0 at IGNORE."""
+        args = (hidden, self.model.get_output_embeddings().weight, targets)
         if self.cfg.logprob_impl == "naive":
             logprob, entropy = naive_logprobs(*args, temperature, IGNORE)
         else:
@@ -80,7 +116,7 @@ class LogProbModel(nn.Module):
                 chunk_size=self.cfg.logprob_chunk_size,
                 vocab_chunk_size=self.cfg.logprob_vocab_chunk_size,
             )
-        return inputs.unpack(logprob), inputs.unpack(entropy)
+        return logprob, entropy
 
 
 def decoder_layers(model: PreTrainedModel, source: str) -> nn.ModuleList:
@@ -152,6 +188,11 @@ def sharding_mesh(device_type: str, world_size: int, cfg: TrainerConfig) -> Devi
     and replicated across groups, so gradients reduce-scatter within a group and all-reduce
     across groups. none is the same 2-D mesh with groups of one: every rank holds the whole
     model, as DDP does.
+
+    With sequence parallelism (`trainer.sequence_parallel`) the mesh is the same, every rank
+    of every group in it (dp x sp, as torchtitan shards over dp_shard x cp): a group's ranks
+    hold the same parameters and each one's gradient is its own positions' share, which the
+    reduce over every rank adds up, and their shards divide the state by N more.
     """
     if cfg.sharding in ("zero3", "zero2"):
         return init_device_mesh(device_type, (world_size,))
@@ -259,19 +300,30 @@ def adapter_dropout(model: nn.Module) -> Iterator[None]:
 
 
 def load_sharded(
-    cfg: ModelConfig, trainer_cfg: TrainerConfig, mesh: DeviceMesh, trainable: bool, seed: int = 0
+    cfg: ModelConfig,
+    trainer_cfg: TrainerConfig,
+    mesh: DeviceMesh,
+    trainable: bool,
+    seed: int = 0,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> LogProbModel:
     """`cfg.path` in fp32, sharded with FSDP2 (`shard_with_fsdp`), each rank reading only its
     own rows of the checkpoint (`trainer.rank_local_load`); trainable with `cfg.lora` on: its
-    adapters only, drawn from `seed` as `with_lora` draws them."""
+    adapters only, drawn from `seed` as `with_lora` draws them. With `sequence_parallel`, run
+    by this rank's group (ValueError when the model cannot be: `prepare_model`); the
+    parameters are sharded over `mesh` all the same, every rank of every group."""
     model = meta_causal_lm(cfg.path)
     layers = decoder_layers(model, f"model.path={cfg.path!r}")
+    if sequence_parallel is not None:
+        prepare_model(model, sequence_parallel.size, f"model.path={cfg.path!r}")
     model.requires_grad_(trainable)
     if trainable:
         for name in cfg.frozen_names([name for name, _ in model.named_parameters()]):
             model.get_parameter(name).requires_grad_(False)
     lora = trainable and cfg.lora.enabled
-    wrapper = LogProbModel(meta_lora(model, cfg.lora) if lora else model, trainer_cfg)
+    wrapper = LogProbModel(
+        meta_lora(model, cfg.lora) if lora else model, trainer_cfg, sequence_parallel
+    )
     # Eval mode, the adapters peft just added included (new modules start in training mode):
     # dropout would make a log-prob pass noisy and draw from the generator. A training
     # forward turns the adapters' dropout on for itself alone (`adapter_dropout`).

@@ -57,8 +57,11 @@ class MoEMiniBatch:
         assert self._tally is not None, "no micro-batch added"
         dist.all_reduce(self._tally)
         dist.all_reduce(self._replay)
-        out = self._objective.router_metrics(self._tally.cpu())
-        differ, pairs = self._replay.tolist()
+        # One read from the device for both (each read waits for the queued work); the
+        # replay counts are whole numbers, exact in float64.
+        host = torch.cat([self._tally.flatten(), self._replay.double()]).cpu()
+        out = self._objective.router_metrics(host[:-2].view(self._tally.shape))
+        differ, pairs = host[-2:].tolist()
         if pairs:
             out["moe/replay_disagreement"] = differ / pairs
         return out

@@ -45,6 +45,7 @@ from trainer.ranks import (
     peak_memory_mb,
     reset_peak_memory,
 )
+from trainer.sequence_parallel import join
 from trainer.weight_sender import WeightSender, attention_shape, trained_tensors
 
 # Metrics summed (token-weighted) over micro-batches and ranks, in this order.
@@ -110,11 +111,19 @@ class PolicyTrainer(RoleRank):
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
         self.num_replicas = num_replicas(mesh)
-        self.policy = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True, seed=cfg.run.seed)
+        sp = join(self.device.type, world_size, cfg.trainer.sequence_parallel)
+        # Whether this rank reports per-row results and metrics: under sequence parallelism,
+        # its group's ranks hold the same ones and the first reports them.
+        self.counts_rows = sp is None or sp.counts_rows
+        self.policy = load_sharded(
+            cfg.model, cfg.trainer, mesh, trainable=True, seed=cfg.run.seed, sequence_parallel=sp
+        )
         self.reference: LogProbModel | None = None
         # With LoRA the reference is the policy with its adapters disabled: no second model.
         if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.enabled:
-            self.reference = load_sharded(cfg.model, cfg.trainer, mesh, trainable=False)
+            self.reference = load_sharded(
+                cfg.model, cfg.trainer, mesh, trainable=False, sequence_parallel=sp
+            )
         self.sender: WeightSender | None = None  # set by open_weight_sender
         # Per bucket, a host copy of the rows last sent with the model's own weights
         # (SchedulerConfig.keeps_pushed_weights): the version the rollout serves.
@@ -163,7 +172,7 @@ class PolicyTrainer(RoleRank):
         with adapters:
             for _, inputs, rows in self._micro_batches(batch):
                 logprob = module(inputs, temperature)[0]  # dummies run too: collectives
-                if rows is not None:
+                if rows is not None and self.counts_rows:
                     pieces.append((rows, logprob))
         reshard(module)  # no backward follows to free the gathered parameters
         return gather_rows(pieces, batch, self.device)
@@ -215,9 +224,13 @@ class PolicyTrainer(RoleRank):
                     sums[i] += metrics[name] * tokens
             sums[-2] += loss.detach()
             sums[-1] += tokens
+        if not self.counts_rows:
+            sums.zero_()
         dist.all_reduce(sums)
         tokens = sums[-1].clamp(min=1.0)
-        out = {name: (sums[i] / tokens).item() for i, name in enumerate(_TOKEN_METRICS)}
+        # One read from the device for every metric (each read waits for the queued work).
+        *means, loss_sum, token_sum = torch.cat([sums[:-2] / tokens, sums[-2:]]).tolist()
+        out = dict(zip(_TOKEN_METRICS, means, strict=True))
         if not self.objective.kl_in_loss:
             del out["kl_ref"]
         if batch.is_weights is None and self.objective.forward_correction is None:
@@ -225,8 +238,8 @@ class PolicyTrainer(RoleRank):
         if self.objective.forward_correction is None:
             del out["mismatch_k1"], out["mismatch_k3"]
         out.update(
-            loss=sums[-2].item(),
-            tokens=sums[-1].item(),
+            loss=loss_sum,
+            tokens=token_sum,
             trained_tokens=batch.attention_mask.sum().item(),
             skipped_rows=float(num_rows - batch.num_sequences),
         )

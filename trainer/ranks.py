@@ -98,13 +98,23 @@ def peak_memory_mb(device: torch.device) -> float:
     return peak.item() / (1 << 20)
 
 
-def batch_to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of `batch` on `device` (absent optional fields stay None)."""
+def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. From host memory to a GPU through pinned memory, without blocking:
+    a blocking copy first waits for every kernel queued before it (the last micro-batch's
+    backward), and the GPU would idle while the host prepares the next micro-batch."""
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def to_device(value: Batch | ModelInput, device: torch.device) -> Batch | ModelInput:
+    """A copy of `value` with every tensor on `device` (`tensor_to_device`; absent optional
+    fields stay None)."""
     moved = {
-        f.name: None if (t := getattr(batch, f.name)) is None else t.to(device)
-        for f in dataclasses.fields(batch)
+        f.name: None if (t := getattr(value, f.name)) is None else tensor_to_device(t, device)
+        for f in dataclasses.fields(value)
     }
-    return Batch(**moved)
+    return type(value)(**moved)
 
 
 def micro_batches(
@@ -123,11 +133,16 @@ def micro_batches(
 
     A rank with fewer micro-batches than another gets dummies (the batch's first row with an
     empty loss mask; rows None) so that it still takes part in every FSDP collective.
+
+    With `cfg.sequence_parallel` = N, rows are dealt to the world_size / N groups of N
+    consecutive ranks, and every rank of a group gets the group's micro-batches (each runs
+    1/N of their positions: a token budget holds N times the positions).
     """
     assert batch.num_sequences > 0, "empty batch"
     lengths = batch.attention_mask.sum(dim=1).tolist()
+    sp = cfg.sequence_parallel
     plan = plan_micro_batches(
-        lengths, world_size, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packing
+        lengths, world_size // sp, cfg.micro_batch_size, cfg.micro_batch_tokens * sp, cfg.packing
     )
     width = max(lengths)  # of packed rows: the mini-batch's longest sample
 
@@ -136,7 +151,7 @@ def micro_batches(
             return shared_prompt_input(micro)
         return packed_input(micro, width) if cfg.packing else padded_input(micro)
 
-    mine = plan[rank]
+    mine = plan[rank // sp]
     for i in range(num_micro_batches(plan)):
         if i < len(mine):
             rows = torch.tensor(mine[i])
@@ -144,7 +159,7 @@ def micro_batches(
         else:
             rows, row = None, batch.select(slice(0, 1))
             micro = dataclasses.replace(row, loss_mask=torch.zeros_like(row.loss_mask))
-        yield batch_to_device(micro, device), build(micro).to(device), rows
+        yield to_device(micro, device), to_device(build(micro), device), rows
 
 
 def scatter_rows(
@@ -154,7 +169,7 @@ def scatter_rows(
     output; rows no piece covers and columns a trimmed piece lacks are 0."""
     out = torch.zeros(batch.num_sequences, batch.input_ids.shape[1] - 1, device=device)
     for rows, values in pieces:
-        out[rows.to(device), : values.shape[1]] = values.float()
+        out[tensor_to_device(rows, device), : values.shape[1]] = values.float()
     return out
 
 
@@ -162,7 +177,8 @@ def gather_rows(
     pieces: list[tuple[torch.Tensor, torch.Tensor]], batch: Batch, device: torch.device
 ) -> torch.Tensor:
     """`scatter_rows` of every rank's pieces, on CPU. Collective: each rank contributes its own
-    rows and every rank gets the whole [B, T-1]."""
+    rows (under sequence parallelism, one rank a group: `SequenceParallel.counts_rows`) and
+    every rank gets the whole [B, T-1]."""
     out = scatter_rows(pieces, batch, device)
     dist.all_reduce(out)  # each row is written by exactly one rank
     return out.cpu()

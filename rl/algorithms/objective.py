@@ -75,7 +75,8 @@ def policy_objective(
         is_weights, kept = OFF_POLICY_CORRECTIONS.get(forward_correction)(
             old_logprobs, batch.behaviour_logprobs, mask, cfg
         )
-        assert torch.equal(kept, mask), f"{forward_correction} dropped tokens"
+        # Checked on the device: a host-side check would wait for every queued kernel.
+        torch._assert_async((kept == mask).all(), f"{forward_correction} dropped tokens")
     pg_loss, clipped = POLICY_LOSSES.get(cfg.policy_loss)(
         logprobs, old_logprobs, batch.advantages, mask, cfg
     )

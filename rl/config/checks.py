@@ -22,6 +22,7 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
         ("trainer.micro_batch_size", cfg.trainer.micro_batch_size, 1),
         ("trainer.num_mini_batches", cfg.trainer.num_mini_batches, 1),
         ("trainer.num_epochs", cfg.trainer.num_epochs, 1),
+        ("trainer.sequence_parallel", cfg.trainer.sequence_parallel, 1),
         ("rollout.num_workers", cfg.rollout.num_workers, 1),
         ("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size, 1),
         ("run.num_steps", cfg.run.num_steps, 1),
@@ -33,12 +34,20 @@ def check_consistency(cfg: Config, path: Path | str) -> None:
     ):
         if value < minimum:
             raise ConfigError(f"{path}: {key} must be >= {minimum}, got {value}")
+    sp = cfg.trainer.sequence_parallel
+    if cfg.trainer.num_workers % sp:
+        raise ConfigError(
+            f"{path}: trainer.sequence_parallel={sp} must divide trainer.num_workers="
+            f"{cfg.trainer.num_workers}: the ranks form groups of that many"
+        )
     num_sequences = cfg.run.prompts_per_step * cfg.algorithm.group_size
-    per_step = cfg.trainer.num_workers * cfg.trainer.num_mini_batches
+    # Rows are dealt to the data-parallel ranks: the sequence-parallel groups.
+    per_step = cfg.trainer.num_workers // sp * cfg.trainer.num_mini_batches
     if num_sequences % per_step:
         raise ConfigError(
             f"{path}: run.prompts_per_step * algorithm.group_size = {num_sequences} sequences must split "
-            f"evenly over trainer.num_workers * trainer.num_mini_batches = {per_step}; change one of them"
+            f"evenly over trainer.num_workers / trainer.sequence_parallel * "
+            f"trainer.num_mini_batches = {per_step}; change one of them"
         )
     _check_registered_names(cfg, path)
     _check_algorithm(cfg, path)
@@ -180,6 +189,7 @@ def _check_trainer(cfg: Config, path: Path | str) -> None:
             f"{cfg.algorithm.entropy_coef} every row has a gradient; set "
             "algorithm.kl_coef=0 (or kl_in_reward=true) and algorithm.entropy_coef=0, or drop it"
         )
+    _check_sequence_parallel(cfg, path)
     if trainer.sharding != "hybrid":
         if trainer.shard_group_size:
             raise ConfigError(
@@ -198,6 +208,30 @@ def _check_trainer(cfg: Config, path: Path | str) -> None:
             raise ConfigError(
                 f"{path}: trainer.sharding=hybrid needs trainer.shard_group_size, the ranks per "
                 f"shard group, >= 1 and dividing {key}={num_ranks}; got {size}"
+            )
+
+
+def _check_sequence_parallel(cfg: Config, path: Path | str) -> None:
+    """What trainer.sequence_parallel > 1 runs with (the model's heads are checked where it
+    loads: trainer.sequence_parallel.prepare_model)."""
+    from rl.algorithms.advantages import needs_critic  # torch: not at import
+
+    trainer, sp = cfg.trainer, cfg.trainer.sequence_parallel
+    if sp == 1:
+        return
+    unsupported = {
+        "trainer.packing=false (it splits packed rows)": not trainer.packing,
+        "trainer.share_prompts": trainer.share_prompts,
+        "trainer.compile": trainer.compile,
+        "a critic (algorithm.advantage=" + cfg.algorithm.advantage + ")": needs_critic(cfg),
+        "a teacher (teacher.path)": cfg.teacher.enabled,
+        "model.routing_replay (mixture of experts)": cfg.model.routing_replay,
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise ConfigError(
+                f"{path}: trainer.sequence_parallel={sp} does not run with {what}; "
+                "set trainer.sequence_parallel=1 or change that"
             )
 
 

@@ -522,8 +522,9 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(
         0,
         description="Token positions per forward/backward on one rank (padding included, so "
-        "rows x longest unless packing); rows are dealt to the ranks balanced by length "
-        "(Karmarkar-Karp). 0 = micro_batch_size sequences, contiguous rows per rank.",
+        "rows x longest unless packing; with sequence_parallel N, a group's micro-batch holds N "
+        "times as many); rows are dealt to the ranks balanced by length (Karmarkar-Karp). "
+        "0 = micro_batch_size sequences, contiguous rows per rank.",
     )
     packing: bool = Field(
         False,
@@ -553,6 +554,13 @@ class TrainerConfig(Section):
     )
     shard_group_size: int = Field(
         0, description="sharding=hybrid: ranks per shard group (a node's ranks); divides the ranks."
+    )
+    sequence_parallel: int = Field(
+        1,
+        description="Ulysses sequence parallelism: groups of this many consecutive ranks run "
+        "each packed row together, each rank 1/N of its positions (attention exchanges them "
+        "for heads by all-to-all); divides num_workers and the attention heads; needs packing. "
+        "1 = off.",
     )
     offload: bool = Field(
         False,
