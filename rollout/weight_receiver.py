@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import tqdm
@@ -36,8 +36,9 @@ class WeightAssembler:
     """Holds weight-sync tensors back until vLLM can load each of its layers whole.
 
     vLLM reloads a layer once all of its elements have arrived; a bucket that splits one
-    fused layer (q/k/v into qkv_proj, gate/up into gate_up_proj, or a weight from its
-    bias) would leave the rest of that layer uninitialised. Tensors are keyed by HF name.
+    fused layer (q/k/v into qkv_proj, gate/up into gate_up_proj, a mixture of experts'
+    gate_up_proj and down_proj into its fused-MoE layer, or a weight from its bias) would
+    leave the rest of that layer uninitialised. Tensors are keyed by HF name.
 
     `layer_of` maps every HF name vLLM can load to its vLLM layer (module qualname);
     `aliases` maps an HF name to all names of the same tied parameter (both must be
@@ -101,13 +102,44 @@ class WeightAssembler:
         return leftover
 
 
+# A vLLM fused-MoE layer's parameters -> the fused expert tensors, as transformers holds them
+# in memory and the trainer sends them ([E, 2I, H] gate rows then up rows; [E, H, I]), that
+# vLLM's expert loader takes whole under the layer's `layer_name`.
+FUSED_EXPERTS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+
+def fused_expert_layers(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Module]]:
+    """HF name of each fused expert tensor -> (qualified name, module) of the vLLM fused-MoE
+    layer it loads into (a module holding w13_weight and w2_weight, named by `layer_name`)."""
+    layers = {}
+    for qualname, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if FUSED_EXPERTS.keys() <= params.keys() and hasattr(module, "layer_name"):
+            for source in FUSED_EXPERTS.values():
+                layers[f"{module.layer_name}.{source}"] = (qualname, module)
+    return layers
+
+
 def weight_layers(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """HF name -> vLLM layer, and tied HF name groups, read off a loaded vLLM model."""
+    """HF name -> vLLM layer, and tied HF name groups, read off a loaded vLLM model. A fused
+    MoE layer is loaded from the trainer's fused expert tensors (`fused_expert_layers`).
+
+    A module reached by several paths (Qwen2-MoE's shared expert and its gate, which vLLM's
+    MoE layer holds too) is one layer, loaded once under its first name; tied names are
+    parameters shared by distinct layers (an embedding and its LM head)."""
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    layer_of: dict[str, str] = {}
+    layer_of = {name: layer for name, (layer, _) in fused_expert_layers(model).items()}
+    expert_layers = set(layer_of.values())
+    first_path: dict[int, str] = {}
+    for qualname, module in model.named_modules(remove_duplicate=False):
+        first_path.setdefault(id(module), qualname)
     names_of_param: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         layer, _, leaf = name.rpartition(".")
+        if layer in expert_layers:  # loaded from the fused expert tensors alone
+            continue
+        if first_path[id(model.get_submodule(layer))] != layer:
+            continue
         parent, _, last = layer.rpartition(".")
         prefix = f"{parent}." if parent else ""
         for source in packed.get(last, [last]):
@@ -151,6 +183,9 @@ class _Channel:
     lora: dict | None = None  # LoRA: the adapter's PEFT settings; only adapters travel
     adapter_keys: torch.nn.Module | None = None  # LoRA: `adapter_keys_model`
     adapter: dict[str, torch.Tensor] | None = None  # LoRA: this update's tensors so far
+    # CPU: fused expert tensor's HF name -> its vLLM fused-MoE layer, whose kernel is rebuilt
+    # at each reload (`_tandem_load`).
+    expert_layers: dict[str, torch.nn.Module] = field(default_factory=dict)
     updating: bool = False  # between bucket 0 and finish
     base_rss: int = 0  # resident bytes when the current update began
     load_s: float = 0.0  # seconds in vLLM's loading and processing this update
@@ -177,6 +212,7 @@ class WeightReceiver:
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
+        from vllm.platforms import current_platform
 
         plan = plan_from_json(plan_json)
         tp_size = get_tensor_model_parallel_world_size()
@@ -192,16 +228,21 @@ class WeightReceiver:
         # A channel re-opened mid-update (the group re-formed after a member was lost) keeps
         # the news that layers are part-loaded, for the next update's bucket 0 to close them.
         previous = getattr(self, "_tandem_channel", None)
+        model = self.model_runner.model
+        expert_layers = {}
+        if current_platform.is_cpu():
+            expert_layers = {name: layer for name, (_, layer) in fused_expert_layers(model).items()}
         self._tandem_channel = _Channel(
             plan=plan,
             tp_rank=tp_rank,
             channel=open_channel(plan, channel_spec, member=first_member + tp_rank),
-            assembler=WeightAssembler(*weight_layers(self.model_runner.model)),
+            assembler=WeightAssembler(*weight_layers(model)),
             lora=lora,
             adapter_keys=None
             if lora is None
             else adapter_keys_model(self.vllm_config.model_config.hf_config, lora),
             updating=previous is not None and previous.updating,
+            expert_layers=expert_layers,
         )
 
     def tandem_apply_bucket(self, bucket: int) -> int:
@@ -325,6 +366,14 @@ class WeightReceiver:
     def _tandem_load(self, named_tensors: NamedTensors) -> None:
         if named_tensors:
             start = time.perf_counter()
+            # vLLM's CPU experts repack w13/w2 into their grouped-GEMM layout when the layer's
+            # kernel is built, and a reload (which keeps the kernel) copies the new, unpacked
+            # weights into the packed storage: the layer would compute with garbage. Without
+            # its kernel, the layer's processing builds it again and repacks the new weights.
+            for name, _ in named_tensors:
+                layer = self._tandem_channel.expert_layers.get(name)
+                if layer is not None:
+                    layer.quant_method.moe_kernel = None
             with self._tandem_context():
                 self.model_runner.model.load_weights(named_tensors)
             self._tandem_channel.load_s += time.perf_counter() - start

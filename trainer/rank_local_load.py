@@ -236,8 +236,9 @@ def load_local_rows(
     """Fill every parameter and persistent buffer of `module` (sharded, after `to_empty`) with
     this rank's rows of the tensor named `prefix` + its name in the checkpoint at `path`.
 
-    A peft-wrapped linear keeps the base weight as `base_layer.weight`: the checkpoint names it
-    without `base_layer`. Names containing one of `skip` (LoRA's adapters) are not read.
+    A peft-wrapped linear keeps the base weight as `base_layer.weight` (a wrapped parameter, as
+    `base_layer.<name>`): the checkpoint names it without `base_layer`. Names containing one of
+    `skip` (LoRA's adapters) are not read.
     Rows are read at most `read_bytes` (in the file's dtype) at a time. A tensor the checkpoint
     stores per expert (`checkpoint_names`) is read expert row by expert row from its experts'
     tensors.
@@ -256,7 +257,8 @@ def load_local_rows(
     for name, tensor in [*module.named_parameters(), *persistent]:
         if any(s in name for s in skip):
             continue
-        key = prefix + name.replace(".base_layer.", ".")
+        # peft nests a wrapper per adapted parameter (two around fused experts).
+        key = prefix + ".".join(part for part in name.split(".") if part != "base_layer")
         experts = None
         if key not in stored:  # stored under another name, or per expert
             if key in names.unreadable:
@@ -331,11 +333,12 @@ def init_lora_adapters(model: nn.Module, path: str, cfg: LoraConfig, seed: int) 
 
     twin = meta_causal_lm(path)
     for module in twin.modules():
-        if isinstance(module, nn.Linear):
-            # peft puts an adapter where its base weight is: on CPU, here at no cost (one
-            # element, broadcast to the weight's shape).
-            stand_in = torch.empty((), dtype=module.weight.dtype).expand(module.weight.shape)
-            module.weight = nn.Parameter(stand_in, requires_grad=False)
+        for name, param in list(module.named_parameters(recurse=False)):
+            # peft puts an adapter where its base weight is (a linear's, or a wrapped
+            # parameter's such as fused experts): on CPU, here at no cost (one element,
+            # broadcast to the weight's shape).
+            stand_in = torch.empty((), dtype=param.dtype).expand(param.shape)
+            setattr(module, name, nn.Parameter(stand_in, requires_grad=False))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drawn = get_peft_model(twin, cfg.peft_config())

@@ -8,7 +8,14 @@ Rollout layout: vLLM's tensor parallelism over T ranks, in Hugging Face names. C
 projections (q/k/v, gate/up) split dim 0; row-parallel ones (o_proj, down_proj) split dim 1;
 the vocabulary-parallel embedding and LM head split the vocabulary padded to a multiple of 64;
 k/v heads are replicated when there are fewer of them than ranks; everything else (norms,
-row-parallel biases) is needed whole. With T = 1 every rank needs every tensor whole.
+row-parallel biases, a mixture of experts' router) is needed whole. With T = 1 every rank needs
+every tensor whole.
+
+A mixture of experts' fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I], sharded by expert in the trainer) are needed whole too: vLLM's TP rank keeps a
+slice of every expert's intermediate dimension (rows of both the gate and the up half, columns
+of down_proj), which is no one block of rows and columns of the tensor seen as 2-D. vLLM's
+expert loader cuts its slice out of the whole tensor.
 
 A bucket travels as one flat buffer holding its tensors whole, one after another: every
 trainer rank writes its own rows in place, and every rollout rank reads only its region. The
@@ -99,7 +106,7 @@ def _split(size: int, parts: int, index: int, what: str) -> tuple[int, int]:
 def needed_region(spec: TensorSpec, shape: AttentionShape, tp_rank: int, tp_size: int) -> Region:
     """The part of `spec` that vLLM's rank `tp_rank` of `tp_size` loads."""
     whole = Region(0, spec.num_rows, 0, spec.num_cols)
-    if tp_size == 1:
+    if tp_size == 1 or len(spec.shape) == 3:  # 3-D: fused experts (module docstring)
         return whole
     parts = spec.name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""

@@ -20,18 +20,31 @@ from rl.config import Config
 from rl.config.safetensors_files import checkpoint_tensors
 from tests.helpers.models import build_moe_checkpoint
 from tests.helpers.ports import free_port
-from trainer.fsdp import decoder_layers, load_sharded, shard_with_fsdp, sharding_mesh
+from trainer.fsdp import (
+    decoder_layers,
+    load_sharded,
+    shard_with_fsdp,
+    sharding_mesh,
+    with_lora,
+)
 from trainer.rank_local_load import load_local_rows, meta_causal_lm, restore_computed_buffers
 from trainer.ranks import init_rank
 
 pytestmark = pytest.mark.integration
 
 CHECKPOINTS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_moe_fused")
+# LoRA's default targets: on a mixture of experts peft adapts the attention's linears and (its
+# own mapping of gate/up/down_proj) the fused expert parameters, each inside a wrapper.
+LORA = {"rank": 4}
+SEED = 5
 
 
-def _config(model_dir: Path, world_size: int) -> Config:
+def _config(model_dir: Path, world_size: int, model: dict | None = None) -> Config:
     return Config.model_validate(
-        {"model": {"path": str(model_dir)}, "trainer": {"num_workers": world_size}}
+        {
+            "model": {"path": str(model_dir), **(model or {})},
+            "trainer": {"num_workers": world_size},
+        }
     )
 
 
@@ -48,6 +61,13 @@ def _rank_main(rank: int, world_size: int, dirs: dict[str, Path], port: int, out
             "params": {n: p.detach().full_tensor() for n, p in loaded.model.named_parameters()},
             "buffers": dict(loaded.model.named_buffers()),
         }
+    cfg = _config(dirs["qwen3_moe"], world_size, {"lora": LORA})
+    mesh = sharding_mesh("cpu", world_size, cfg.trainer)
+    loaded = load_sharded(cfg.model, cfg.trainer, mesh, trainable=True, seed=SEED)
+    results["qwen3_moe_lora"] = {
+        "params": {n: p.detach().full_tensor() for n, p in loaded.model.named_parameters()},
+        "buffers": dict(loaded.model.named_buffers()),
+    }
     cfg = _config(dirs["qwen2_moe"], world_size)
     model = meta_causal_lm(str(dirs["qwen2_moe"]))
     mesh = sharding_mesh("cpu", world_size, cfg.trainer)
@@ -101,16 +121,21 @@ def test_the_checkpoints_store_experts_as_save_pretrained_writes_them(
     assert not any(".experts.0." in n for n in fused)
 
 
-@pytest.mark.parametrize("label", [*CHECKPOINTS, "qwen2_moe_in_chunks"])
+@pytest.mark.parametrize("label", [*CHECKPOINTS, "qwen2_moe_in_chunks", "qwen3_moe_lora"])
 def test_each_ranks_experts_make_up_the_model_from_pretrained_loads_bit_for_bit(
     loaded: dict, dirs: dict[str, Path], label: str
 ) -> None:
-    want = AutoModelForCausalLM.from_pretrained(
-        dirs[label.removesuffix("_in_chunks")], dtype=torch.float32
-    )
+    checkpoint = label.removesuffix("_in_chunks").removesuffix("_lora")
+    want = AutoModelForCausalLM.from_pretrained(dirs[checkpoint], dtype=torch.float32)
+    if label.endswith("_lora"):
+        # peft's own adapters, drawn from the same seed on one process.
+        want = with_lora(want, _config(dirs[checkpoint], 1, {"lora": LORA}).model.lora, SEED)
+        assert "model.layers.0.mlp.experts.lora_A.default.weight" in "".join(
+            n for n, _ in want.named_parameters()
+        )
     params, buffers = loaded[label]["params"], loaded[label]["buffers"]
     assert params.keys() == dict(want.named_parameters()).keys()
-    assert any(name.endswith("mlp.experts.gate_up_proj") for name in params)
+    assert any(name.endswith("gate_up_proj") and "experts" in name for name in params)
     for name, param in want.named_parameters():
         assert torch.equal(params[name], param), name
     assert buffers.keys() == dict(want.named_buffers()).keys() and buffers

@@ -116,3 +116,46 @@ def test_held_tensors_are_copied_off_a_reused_buffer() -> None:
     ]
     ready = dict(assembler.add(rest + [(f"{prefix}q_proj.bias", _t(0))]))
     assert ready[f"{prefix}q_proj.weight"].item() == 1.0
+
+
+class _FusedExperts(nn.Module):
+    """vLLM's fused-MoE layer: every expert's gate/up and down in two 3-D parameters, loaded
+    under its `layer_name` (the HF module path of the experts)."""
+
+    def __init__(self, layer_name: str) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.w13_weight = nn.Parameter(torch.zeros(8, 6, 4))
+        self.w2_weight = nn.Parameter(torch.zeros(8, 4, 3))
+
+
+class _TinyVLLMMoE(nn.Module):
+    """The shape of vLLM's Qwen2-MoE block: a router, fused experts (under `routed_experts`),
+    and a shared expert with its gate, which the MoE layer reaches by a second path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.gate = nn.Linear(4, 8, bias=False)
+        self.mlp.shared_expert_gate = nn.Linear(4, 1, bias=False)
+        self.mlp.experts = nn.Module()
+        self.mlp.experts.routed_experts = _FusedExperts("mlp.experts")
+        self.mlp.experts.shared_gate = self.mlp.shared_expert_gate
+
+
+def test_fused_experts_load_from_the_trainers_fused_tensors_and_a_second_path_is_one_layer() -> (
+    None
+):
+    layer_of, aliases = weight_layers(_TinyVLLMMoE())
+    assert layer_of == {
+        "mlp.experts.gate_up_proj": "mlp.experts.routed_experts",
+        "mlp.experts.down_proj": "mlp.experts.routed_experts",
+        "mlp.gate.weight": "mlp.gate",
+        "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate",
+    }
+    assert aliases == {}  # the shared gate is one module, loaded once
+    assembler = WeightAssembler(layer_of, aliases)
+    gate_up, down = torch.zeros(8, 6, 4), torch.zeros(8, 4, 3)
+    assert assembler.add([("mlp.experts.gate_up_proj", gate_up)]) == []
+    ready = assembler.add([("mlp.experts.down_proj", down)])
+    assert dict(ready) == {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down}

@@ -216,3 +216,31 @@ def test_a_lora_plan_sends_each_adapter_whole_to_every_tp_rank_and_nothing_else(
     adapters = 2 * rank * ((hidden + hidden) + (hidden + kv) + (inter + hidden))
     assert plan.total_bytes == 4 * adapters
     assert all(plan.bytes_to_rank(r) == 4 * adapters for r in range(tp_size))
+
+
+def test_fused_experts_and_the_router_are_needed_whole_and_travel_together() -> None:
+    """A mixture of experts at TP 2: vLLM's rank keeps a slice of every expert's intermediate
+    dimension (no one block of the [E, 2I*H] / [E, H*I] views), so the fused expert tensors go
+    whole, as does the replicated router; the shared expert splits like a dense MLP. A
+    layer's two expert tensors load into one vLLM layer: one load unit, one bucket."""
+    experts, hidden, inter = 8, 896, 256
+    gate_up = TensorSpec("model.layers.0.mlp.experts.gate_up_proj", (experts, 2 * inter, hidden))
+    down = TensorSpec("model.layers.0.mlp.experts.down_proj", (experts, hidden, inter))
+    router = TensorSpec("model.layers.0.mlp.gate.weight", (experts, hidden))
+    shared = TensorSpec("model.layers.0.mlp.shared_expert.gate_proj.weight", (inter, hidden))
+    for spec in (gate_up, down, router):
+        for tp_rank in range(2):
+            assert needed_region(spec, SHAPE, tp_rank, 2) == Region(
+                0, spec.num_rows, 0, spec.num_cols
+            )
+    assert needed_region(shared, SHAPE, 1, 2) == Region(inter // 2, inter, 0, hidden)
+    assert load_unit(gate_up.name) == load_unit(down.name) == "model.layers.0.mlp.experts"
+    plan = plan_weight_sync(
+        [router, gate_up, down],
+        SHAPE,
+        world_size=2,
+        tp_size=2,
+        bucket_bytes=1,
+        wire_dtype="float32",
+    )
+    assert plan.buckets == ((router,), (gate_up, down))
