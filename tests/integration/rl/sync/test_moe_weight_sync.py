@@ -29,11 +29,11 @@ from tests.helpers.models import build_moe_checkpoint
 
 pytestmark = pytest.mark.integration
 
-# name: (arch, TP, transport, LoRA rank: 0 = off, engine)
+# name: (arch, TP, transport, LoRA rank: 0 = off, engine). Qwen2-MoE's shared expert and its
+# gate, reached by vLLM's layer by a second path, at TP 2 only: TP 1 adds no case to it.
 SETUPS = {
     "qwen3_moe-tp1": ("qwen3_moe", 1, "auto", 0, "vllm"),
     "qwen3_moe-tp2-gloo": ("qwen3_moe", 2, "distributed", 0, "vllm"),
-    "qwen2_moe-tp1": ("qwen2_moe", 1, "auto", 0, "vllm"),
     "qwen2_moe-tp2": ("qwen2_moe", 2, "auto", 0, "vllm"),
     # LoRA's default targets: the attention's linears and (peft's own mapping of gate/up/down)
     # the fused experts. vLLM on CPU serves no LoRA on a mixture of experts (with LoRA on, its
