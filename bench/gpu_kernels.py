@@ -96,15 +96,20 @@ def fwd_bwd(fn: Fn, inputs, vocab_size: int) -> list[torch.Tensor]:
     return [logprob.detach(), entropy.detach(), hidden.grad, weight.grad]
 
 
-def check(device: str, n: int, d: int, v: int, vocab_size: int, dtype: torch.dtype) -> str:
-    """Max abs differences: Triton vs the PyTorch path, each vs fp64 on the same (rounded)
-    inputs (markdown). At bf16 on CUDA the PyTorch path's matmuls are cuBLAS's, with fp32
-    outputs."""
+def check(
+    device: str,
+    n: int,
+    d: int,
+    v: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    backends: tuple[str, ...] = ("triton", "torch"),
+) -> str:
+    """Max abs differences: each of `backends` against the others and against fp64 on the same
+    (rounded) inputs (markdown). At bf16 on CUDA the PyTorch path's matmuls are cuBLAS's, with
+    fp32 outputs."""
     inputs = make_inputs(n, d, v, vocab_size, dtype, device)
-    results = {
-        "triton": fwd_bwd(dispatched("triton"), inputs, vocab_size),
-        "torch": fwd_bwd(dispatched("torch"), inputs, vocab_size),
-    }
+    results = {backend: fwd_bwd(dispatched(backend), inputs, vocab_size) for backend in backends}
     hidden, weight, *rest = inputs
     as64 = [t.detach().double().requires_grad_() for t in (hidden, weight)]
     results["fp64"] = fwd_bwd(naive, (*as64, *rest), vocab_size)
@@ -114,49 +119,63 @@ def check(device: str, n: int, d: int, v: int, vocab_size: int, dtype: torch.dty
         "| pair | logprob | entropy | grad hidden | grad weight |",
         "|---|---|---|---|---|",
     ]
-    for a, b in (("triton", "torch"), ("triton", "fp64"), ("torch", "fp64")):
-        diffs = [
-            (x.double() - y.double()).abs().max().item()
-            for x, y in zip(results[a], results[b], strict=True)
-        ]
-        lines.append(f"| {a} vs {b} | " + " | ".join(f"{x:.2e}" for x in diffs) + " |")
+    names = list(results)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            diffs = [
+                (x.double() - y.double()).abs().max().item()
+                for x, y in zip(results[a], results[b], strict=True)
+            ]
+            lines.append(f"| {a} vs {b} | " + " | ".join(f"{x:.2e}" for x in diffs) + " |")
     return "\n".join(lines)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for `device`'s queued work (CUDA; CPU work is done when its call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed_ms(fn: Callable[[], object], iters: int, device: torch.device | str) -> float:
+    """Mean ms of `iters` calls of `fn`, timed from an idle device to an idle device."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
 def measure(fn: Fn, inputs, vocab_size: int, iters: int) -> tuple[float, float]:
-    """(ms per forward+backward, peak GiB allocated above the inputs) after one warm-up."""
+    """(ms per forward+backward, peak GiB allocated above the inputs: CUDA only, else NaN)
+    after one warm-up."""
+    device = inputs[0].device
     fwd_bwd(fn, inputs, vocab_size)
     inputs[0].grad = inputs[1].grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fwd_bwd(fn, inputs, vocab_size)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, (torch.cuda.max_memory_allocated() - base) / 2**30
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    ms = elapsed_ms(lambda: fwd_bwd(fn, inputs, vocab_size), iters, device)
+    gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+    return ms, gib
 
 
-def measure_cublas(n: int, d: int, v: int, iters: int) -> float:
-    """ms for logits = h @ W.T, grad_h = G @ W and grad_W = G.T @ h in bf16 (6NdV FLOPs)."""
-    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+def measure_cublas(
+    n: int, d: int, v: int, iters: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """ms for logits = h @ W.T, grad_h = G @ W and grad_W = G.T @ h (6NdV FLOPs): cuBLAS on
+    CUDA, the same three products on any device."""
+    h = torch.randn(n, d, device=device, dtype=dtype)
+    w = torch.randn(v, d, device=device, dtype=dtype)
+    g = torch.randn(n, v, device=device, dtype=dtype)
 
     def three() -> None:
         (h @ w.T, g @ w, g.T @ h)
 
     three()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        three()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return elapsed_ms(three, iters, device)
 
 
 def measure_naive(n: int, d: int, v: int, iters: int) -> tuple[float, float, str]:
@@ -186,14 +205,9 @@ def measure_forward(fn: Fn, inputs, vocab_size: int, iters: int) -> float:
     hidden, weight, targets, temperature, _ = inputs
     with torch.no_grad():
         fn(hidden, weight, targets, temperature, vocab_size)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn(hidden, weight, targets, temperature, vocab_size)
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+        return elapsed_ms(
+            lambda: fn(hidden, weight, targets, temperature, vocab_size), iters, hidden.device
+        )
 
 
 def benchmark(n: int, d: int, v: int, iters: int, compile_torch: bool) -> str:

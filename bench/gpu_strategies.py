@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_trainer import SHAPES, build_model, free_port
+from gpu_suite import SHAPES, build_model, free_port
 
 from rl.algorithms.objective import Objective
 from rl.config import Config

@@ -1,14 +1,12 @@
 """Weight sync between two processes on one GPU over CUDA IPC, against the device's copy bound
-and against staging through host memory (what every sync does today).
-
-    python bench/gpu_weight_sync.py          # CUDA: Qwen2.5-7B's tensors in bf16, under 5 minutes
-    python bench/gpu_weight_sync.py --tiny   # a tiny shape on any machine (checks the script)
+and against staging through host memory: part 3 of bench/gpu_suite.py, which runs `measure`
+(Qwen2.5-7B's tensors in bf16 on CUDA; a tiny shape with --tiny) and prints `table`.
 
 The sender plays a trainer rank holding the whole model (one GPU: one rank), the receiver a
 rollout engine with its own copy of the weights, in a process of its own (spawned), as vLLM's
-engine is. Two ways over CUDA IPC, each timed over --rounds syncs after a warm-up:
+engine is. Two ways over CUDA IPC, each timed over `rounds` syncs after a warm-up:
 
-- packed buckets: the sender copies its tensors into one of two bucket buffers (--bucket-mb)
+- packed buckets: the sender copies its tensors into one of two bucket buffers (`bucket_mb`)
   that the receiver opened once by IPC handle, and the receiver copies them out into its
   weights while the sender fills the other buffer (as rl.sync's shared-memory transport
   pipelines its slots). Two device copies per byte; bounded memory whatever the model.
@@ -25,13 +23,12 @@ Bounds, in the sender's process: one device-to-device copy of all the bytes (wha
 way can at best reach), and device -> pinned host -> device of the same bytes, and of the fp32
 bytes today's path moves (rl.sync stages fp32 rows through host shared memory). Each sync ends
 with the receiver's weights compared to the sender's (checksums in float64): equal, or the
-script fails. On CPU (--tiny without CUDA) the buffers are shared memory, the pinned-host
+script fails. On CPU the buffers are shared memory, the pinned-host
 bound is left out, and the times mean nothing; it checks the protocol.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -324,24 +321,5 @@ def table(r: dict) -> str:
     for label, key in rows:
         if key in r["seconds"]:
             s = r["seconds"][key]
-            lines.append(f"| {label} | {s:.4f} | {gb / s:,.1f} | {s / copy:.2f} |")
+            lines.append(f"| {label} | {s:.3g} | {gb / s:,.1f} | {s / copy:.2f} |")
     return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape (any machine)")
-    parser.add_argument("--bucket-mb", type=float, default=1024)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = SHAPES["tiny" if args.tiny else "7b"]
-    r = measure(shape, args.bucket_mb, args.rounds, device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (times mean nothing)"
-    print(f"\n{name}: {r['bytes'] / 1e9:.2f} GB of bf16 weights, {r['buckets']} buckets of up to "
-          f"{args.bucket_mb} MiB, median of {args.rounds} syncs, receiver's weights checked\n")  # fmt: skip
-    print(table(r))
-
-
-if __name__ == "__main__":
-    main()

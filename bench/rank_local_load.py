@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from gpu_trainer import SHAPES, free_port
+from gpu_suite import SHAPES, free_port
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rl.config import Config

@@ -14,7 +14,7 @@ third layout, rows that share a prompt computed as one, is `trainer.prompt_shari
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -59,13 +59,6 @@ class ModelInput:
             return values
         flat = torch.cat([values.reshape(-1), values.new_zeros(1)])  # the last entry: padding
         return flat[self.unpack_index]
-
-    def to(self, device: torch.device) -> ModelInput:
-        moved = {
-            f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
-            for f in fields(self)
-        }
-        return ModelInput(**moved)
 
 
 def padded_input(micro: Batch) -> ModelInput:

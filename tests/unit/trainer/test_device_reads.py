@@ -78,11 +78,13 @@ class DeviceReads(TorchDispatchMode):
         self.paused = False  # True while a host copy is made (on CPU it would share storage)
         self.by_file: collections.Counter[str] = collections.Counter()
 
-    def to_device(self, value: object) -> None:
-        fields = [getattr(value, f.name) for f in dataclasses.fields(value)]
-        for tensor in fields:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
+    def to_device(self, *values: object) -> None:
+        """Mark `values` (tensors, or dataclasses of them) as on the device."""
+        for value in values:
+            if dataclasses.is_dataclass(value):
+                self.to_device(*(getattr(value, f.name) for f in dataclasses.fields(value)))
+            elif isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
                 self._device[storage._cdata] = storage
 
     def on_device(self, *values: object) -> bool:
@@ -91,7 +93,13 @@ class DeviceReads(TorchDispatchMode):
             for t in tree_flatten(values)[0]
         )
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: tuple,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.paused:
@@ -104,10 +112,7 @@ class DeviceReads(TorchDispatchMode):
                 and any(i is not None and i.dtype == torch.bool for i in args[1])
             ):
                 self.by_file[_reader()] += 1
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    storage = tensor.untyped_storage()
-                    self._device[storage._cdata] = storage
+            self.to_device(*tree_flatten(out)[0])
         return out
 
 
@@ -118,7 +123,9 @@ class HostCopies(TorchFunctionMode):
         super().__init__()
         self.reads = reads
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(
+        self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", "") in READING_METHODS and self.reads.on_device(args):
             self.reads.by_file[_reader()] += 1
@@ -166,8 +173,7 @@ def _count_reads(
             if item is None:
                 return
             micro, inputs, _ = item
-            reads.to_device(micro)
-            reads.to_device(inputs)
+            reads.to_device(micro, inputs)
             yield item
 
     with monkeypatch.context() as patch:
@@ -193,7 +199,7 @@ def _per_forward(num_forwards: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 3])
-def test_a_mini_batch_reads_its_metrics_once_and_nothing_else_per_micro_batch(
+def test_a_mini_batch_reads_the_device_once_for_its_metrics_and_twice_per_forward(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, num_micro_batches: int
 ) -> None:
     batch = _batch(tiny_model_dir, seed=0)
@@ -203,7 +209,7 @@ def test_a_mini_batch_reads_its_metrics_once_and_nothing_else_per_micro_batch(
     assert reads == {"trainer/policy.py": 1, **_per_forward(num_micro_batches)}
 
 
-def test_a_mixture_of_experts_reads_its_router_metrics_once_more(
+def test_a_mixture_of_experts_adds_one_read_for_its_router_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model_dir = build_moe_checkpoint(tmp_path / "moe", "qwen3_moe")
@@ -213,7 +219,7 @@ def test_a_mixture_of_experts_reads_its_router_metrics_once_more(
     assert reads == {"trainer/policy.py": 1, "trainer/moe.py": 1, **_per_forward(3)}
 
 
-def test_log_probs_read_their_result_once_and_nothing_else_per_micro_batch(
+def test_log_probs_read_the_device_once_for_the_result_and_twice_per_forward(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batch = _batch(tiny_model_dir, seed=1)
