@@ -225,6 +225,13 @@ def _check_model_path(cfg: Config, path: Path | str) -> None:
             f"the config.json of model.path={cfg.model.path!r} names no experts (num_experts or "
             "num_local_experts)",
         )
+    elif cfg.model.lora.enabled and cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            f"{path}: model.lora on a mixture of experts ({cfg.model.path!r}) is served by "
+            "rollout.engine=torch only: vLLM's LoRA on MoE layers needs its mixed MoE LoRA "
+            "format, which the weight receiver does not feed, and vLLM on CPU runs those layers "
+            "with Triton kernels it lacks"
+        )
     try:
         shapes = checkpoint_tensor_shapes(model_dir)
     except ValueError as exc:
