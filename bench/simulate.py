@@ -2,8 +2,8 @@
 
 The real scheduler (rl.run.scheduler.loop) runs against simulated vLLM engines and trainer
 groups on a simulated clock (bench/sim): the sweeps below over GPUs, placement, staleness,
-partial rollouts and dynamic sampling, and a calibration against verl's published
-fully-async runs.
+partial rollouts and dynamic sampling, the trainer's sequence-parallel degree on long
+samples, and a calibration against verl's published fully-async runs.
 
     .venv/bin/python bench/simulate.py [--lengths FILE] [--only NAME] [--write-docs]
 
@@ -196,6 +196,43 @@ def policy_sweep(workload: Workload) -> list[Run]:
         ]
         runs += [Run("policies", label, cost, p, workload, sched) for label, p, sched in rows]
     return runs
+
+
+def long_samples(num_steps: int = 4) -> Workload:
+    """Long-response RL (agents, long reasoning): 64 prompts x 16 responses a step, responses
+    log-normal around 16,000 tokens up to 130,048 (131,072 with the prompt)."""
+    cap = LONG_SAMPLE - 1024
+    return Workload(
+        num_steps=num_steps,
+        groups_per_step=64,
+        group_size=16,
+        prompt_tokens=1024,
+        length=LogNormal(median=16_000, sigma=1.0, cap=cap),
+        max_tokens=cap,
+        tokens_per_id=256,
+    )
+
+
+LONG_SAMPLE = 131_072  # the longest sample of `long_samples`, prompt included
+# Degrees that divide Qwen2.5-7B's 28 heads; 14 spans two 8-GPU nodes.
+SEQUENCE_PARALLEL = (1, 2, 4, 7, 14)
+
+
+def sequence_parallel_sweep(workload: Workload) -> list[Run]:
+    """Qwen2.5-7B on 64 H100s, colocated at k = 0, on `long_samples` (its own workload, not
+    `workload`), at each degree of SEQUENCE_PARALLEL."""
+    long = long_samples()
+    return [
+        Run(
+            "sequence-parallel",
+            f"trainer.sequence_parallel={n}",
+            CostModel(H100, QWEN25_7B, sequence_parallel=n),
+            Placement.colocate(64),
+            long,
+            Schedule(0),
+        )
+        for n in SEQUENCE_PARALLEL
+    ]
 
 
 def _simulate(
@@ -459,6 +496,32 @@ def dynamic_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     return "\n".join(_table(columns, table)), series
 
 
+def sequence_parallel_report(rows: list[tuple[Run, Result]]) -> str:
+    """A trainer rank's memory for the longest sample against the GPU's, what the
+    all-to-alls cost, and the run's speed, by degree (rows: `sequence_parallel_sweep`)."""
+    columns = [
+        "trainer.sequence_parallel", f"trainer rank, a {LONG_SAMPLE:,}-token sample (GB)>",
+        "fits 80 GB", "all-to-all link", "all-to-all, share of training a sample>",
+        "steps/hour>",
+    ]  # fmt: skip
+    table = []
+    for run, res in rows:
+        cost, gpus = run.cost, run.placement.trainer_gpus
+        n = cost.sequence_parallel
+        memory = cost.trainer_rank_bytes(LONG_SAMPLE, gpus)
+        fits = memory <= cost.gpu.memory_bytes
+        # One sample on its group: each rank's FLOPs and all-to-alls for its 1/n.
+        exchange = cost.all_to_all_s(cost.all_to_all_bytes(LONG_SAMPLE / n))
+        training = cost.train_s([LONG_SAMPLE], n)
+        link = "-" if n == 1 else "NVLink" if n <= cost.gpu.gpus_per_node else "network"
+        table.append([
+            str(n), f"{memory / 1e9:.1f}", "yes" if fits else "no", link,
+            f"{100 * exchange / training:.1f}%" if n > 1 else "-",
+            f"{res.steps_per_hour:.2f}" if fits else "-",
+        ])  # fmt: skip
+    return "\n".join(_table(columns, table))
+
+
 def calibration_report(rows: list[tuple[Run, Result]]) -> tuple[str, dict]:
     """One table of step times per trainer model (rows: `calibration_runs`)."""
     sync = rows[0][1]
@@ -555,6 +618,7 @@ SWEEPS = {
     "abort": abort_sweep,
     "dynamic": dynamic_sampling_sweep,
     "policies": policy_sweep,
+    "sequence-parallel": sequence_parallel_sweep,
 }
 
 
@@ -599,6 +663,8 @@ def main() -> None:
         sections["dynamic"], dynamic_series = dynamic_report(by_sweep["dynamic"])
     if "policies" in by_sweep:
         sections["policies"] = policy_report(by_sweep["policies"])
+    if "sequence-parallel" in by_sweep:
+        sections["sequence-parallel"] = sequence_parallel_report(by_sweep["sequence-parallel"])
     if "calibration" in by_sweep:
         sections["calibration-median"] = (
             f"Fitted median response length: **{median} tokens** (sigma 1, cap 28,672)."
@@ -619,7 +685,8 @@ def main() -> None:
         )
     for name, text in sections.items():
         write_section(f"simulate-{name}", text, DOC)
-    write_section("simulate-footer", footer, DOC)
+    if args.only is None:  # the footer counts the whole set
+        write_section("simulate-footer", footer, DOC)
     if "gpus" in sections:
         panels = {f"{model} on {gpu}": lines for (model, gpu), lines in gpu_series.items()}
         plot_lines(panels, DOC.parent / "scale_gpus.png", "GPUs", log_x=True)

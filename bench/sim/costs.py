@@ -18,7 +18,11 @@ byte counts all of them (every expert):
 - training on a sample of S tokens, forward and backward (causal attention's work counted
   as done, half of a full S x S):
       (6 x params x S + 6 x layers x hidden x S^2) / (GPUs x peak x train MFU)
-  and an annotation (log-probs of old/reference policy) a third of that work, at its own MFU;
+  and an annotation (log-probs of old/reference policy) a third of that work, at its own MFU.
+  With Ulysses sequence parallelism over N ranks (`sequence_parallel`) each rank of a group
+  computes 1/N of its group's samples, so a rank's share of a step's FLOPs is the same; it
+  adds the all-to-alls (`all_to_all_bytes`), sent over NVLink within a node and the network
+  beyond, not overlapped with compute (each sits between a projection and attention);
 - a weight sync: the bytes each engine GPU receives over its link, plus a fixed latency
   (vLLM's load_weights and the protocol's calls);
 - moving memory to and from the host (time-sliced GPUs): bytes over PCIe.
@@ -26,6 +30,7 @@ byte counts all of them (every expert):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GiB = 1024**3
@@ -63,6 +68,12 @@ class Model:
     head_dim: int
     tp: int  # the tensor parallel size its rollout engines use
     active_params: float | None = None  # a mixture of experts'; None: dense, all are active
+    intermediate: int | None = None  # the MLP's width: a trainer rank's activations need it
+
+    @property
+    def heads(self) -> int:
+        """Query heads: as many as span the hidden size (Llama, Qwen2.5)."""
+        return self.hidden // self.head_dim
 
     @property
     def compute_params(self) -> float:
@@ -80,8 +91,8 @@ class Model:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
 
-QWEN25_7B = Model("Qwen2.5-7B", 7.62e9, 28, 3584, 4, 128, tp=1)
-QWEN25_32B = Model("Qwen2.5-32B", 32.8e9, 64, 5120, 8, 128, tp=2)
+QWEN25_7B = Model("Qwen2.5-7B", 7.62e9, 28, 3584, 4, 128, tp=1, intermediate=18944)
+QWEN25_32B = Model("Qwen2.5-32B", 32.8e9, 64, 5120, 8, 128, tp=2, intermediate=27648)
 MODELS = {model.name: model for model in (QWEN25_7B, QWEN25_32B)}
 
 
@@ -108,6 +119,14 @@ class CostModel:
     gpu: Gpu
     model: Model
     eff: Efficiency = Efficiency()
+    sequence_parallel: int = 1  # trainer ranks that run each sample together (Ulysses)
+
+    def __post_init__(self) -> None:
+        if self.model.heads % self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel={self.sequence_parallel} does not divide {self.model.name}'s "
+                f"{self.model.heads} attention heads"
+            )
 
     # -- rollout ------------------------------------------------------------------------
 
@@ -144,12 +163,59 @@ class CostModel:
         return sum(6 * m.compute_params * s + 6 * m.layers * m.hidden * s * s for s in lengths)
 
     def train_s(self, lengths: list[int], gpus: int) -> float:
-        return self.train_flops(lengths) / (gpus * self.gpu.bf16_flops * self.eff.train_mfu)
+        """Forward and backward of `lengths` over `gpus`: each rank's share of the FLOPs, and
+        with sequence parallelism the all-to-alls of its share of the positions."""
+        compute = self.train_flops(lengths) / (gpus * self.gpu.bf16_flops * self.eff.train_mfu)
+        return compute + self.all_to_all_s(self.all_to_all_bytes(sum(lengths) / gpus))
 
     def annotate_s(self, lengths: list[int], gpus: int) -> float:
-        """A forward pass: a third of training's work."""
+        """A forward pass: a third of training's work, half its all-to-all bytes."""
         flops = self.train_flops(lengths) / 3
-        return flops / (gpus * self.gpu.bf16_flops * self.eff.annotate_mfu)
+        compute = flops / (gpus * self.gpu.bf16_flops * self.eff.annotate_mfu)
+        return compute + self.all_to_all_s(self.all_to_all_bytes(sum(lengths) / gpus) / 2)
+
+    def all_to_all_bytes(self, positions: float) -> float:
+        """Bytes a trainer rank sends (and as many it receives) in a forward and backward
+        over `positions` of its own, under sequence parallelism over N ranks. A layer's
+        forward runs 4 all-to-alls, q, k and v (positions for heads) and the attention's
+        output (heads back for positions), each on a [positions, heads x head_dim] bf16
+        tensor (k and v with their heads repeated to lcm(kv heads, N), so that every rank
+        gets whole heads) of which it keeps 1/N; its backward runs the same 4 on the
+        gradients. Activation checkpointing's recomputed forward, left out as its FLOPs are,
+        would add a forward's worth. 0 without sequence parallelism."""
+        m, n = self.model, self.sequence_parallel
+        exchanged = 2 * m.heads + 2 * math.lcm(m.kv_heads, n)
+        forward = m.layers * positions * exchanged * m.head_dim * 2 * (n - 1) / n
+        return 2 * forward
+
+    def all_to_all_s(self, num_bytes: float) -> float:
+        """A rank's all-to-all bytes over its link: NVLink while a group fits in a node, else
+        the network (a group across nodes waits for its slowest link)."""
+        g = self.gpu
+        within = self.sequence_parallel <= g.gpus_per_node
+        return num_bytes / (g.nvlink_bytes_per_s if within else g.network_bytes_per_s)
+
+    def trainer_rank_bytes(self, length: int, gpus: int) -> float:
+        """A trainer rank's memory training a sample of `length` tokens with activation
+        checkpointing, as `rl.cluster.memory_plan` counts it, bf16, its group of N ranks
+        running the sample alone: the state (16 bytes a parameter, sharded over `gpus`), every
+        layer's input for its 1/N of the positions and one layer recomputed (two norms, q, the
+        attention output, an MLP's four, k and v with repeated heads), the all-to-all's sent
+        and received buffers of one layer, and the packed rows' boolean mask, length x length
+        (rows as wide as the longest sample), with the recomputed layer's bf16 copy of it,
+        which does not shrink with N. Left out: the layers FSDP2 has gathered, the log-prob
+        kernel's workspace, allocator slack."""
+        m, n = self.model, self.sequence_parallel
+        if m.intermediate is None or m.active_params is not None:
+            raise ValueError(f"{m.name}: a trainer rank's memory is modelled for dense models")
+        width = -(-length // n) * n  # padded to a multiple of N
+        positions = width // n
+        kv = math.lcm(m.kv_heads, n) * m.head_dim
+        layer = 5 * m.hidden + 2 * kv + 4 * m.intermediate
+        activations = 2 * positions * (m.layers * m.hidden + layer)
+        exchange = 2 * positions * (m.heads * m.head_dim + 2 * kv) * 2 if n > 1 else 0
+        mask = width * width * (1 + 2)
+        return 16 * m.params / gpus + activations + exchange + mask
 
     # -- weights and memory -------------------------------------------------------------
 

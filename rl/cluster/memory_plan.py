@@ -4,18 +4,22 @@ Pure arithmetic over the model's HF config and the recipe (nothing is loaded), i
 users size runs by. A trainer rank holds its FSDP2 shard of the fp32 master parameters,
 gradients and AdamW's two moments (16 bytes a parameter over W ranks; with LoRA, 4 bytes a
 frozen base parameter and 16 an adapter parameter), the frozen reference's shard (4 bytes
-over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathered in the compute dtype (the root's
-embeddings and head, the current layer and the prefetched next), the activations a
-micro-batch saves for backward, the fused log-prob kernel's workspace, and on GPUs the weight
-transport's buffers. A rollout worker
-holds its tensor-parallel slice of the weights and the KV cache. A distillation teacher's rank
-holds its shard of the teacher's fp32 weights, the layers it has gathered, one layer's
-activations of a micro-batch and the kernel's forward workspace. A mixture of experts counts
-every expert in the parameters, gradients, optimizer state and weights (FSDP2 shards the fused
-expert tensors like any parameter and gathers a layer's experts with it: there is no expert
-parallelism), and a token's activations for its top-k experts only. The figures leave out
-allocator fragmentation and runtime overheads (CUDA context, NCCL buffers: about 1-2 GiB a
-GPU), so a plan within a few percent of the limit is not safe.
+over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathered in the
+compute dtype (the root's embeddings and head, the current layer and the prefetched next),
+the activations a micro-batch saves for backward with its attention mask, the fused log-prob
+kernel's workspace, and on GPUs the weight transport's buffers. With sequence parallelism
+(`trainer.sequence_parallel` N) a rank holds 1/N of its group's micro-batch positions
+(`MicroBatch`), the attention's heads exchanged for positions, and the rows' whole mask. A
+rollout worker holds its tensor-parallel slice of the weights and the KV cache, which must
+hold at least one sequence of rollout.max_model_len (vLLM refuses to start otherwise). A
+distillation teacher's rank holds its shard of the teacher's fp32 weights, the layers it has
+gathered, one layer's activations of a micro-batch and the kernel's forward workspace. A
+mixture of experts counts every expert in the parameters, gradients, optimizer state and
+weights (FSDP2 shards the fused expert tensors like any parameter and gathers a layer's
+experts with it: there is no expert parallelism), and a token's activations for its top-k
+experts only. The figures leave out allocator fragmentation and runtime overheads (CUDA
+context, NCCL buffers: about 1-2 GiB a GPU), so a plan within a few percent of the limit is
+not safe.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ _LOGPROB_WORKSPACE_COPIES = 3
 
 
 class PlanDoesNotFit(ValueError):
-    """The plan needs more memory than its devices have; the message says what to change."""
+    """The plan cannot run on its devices: it needs more memory than they have, or splits the
+    model in a way it cannot take; the message says what to change."""
 
 
 # Mixture-of-experts architectures whose layouts the estimate knows, and config keys that say a
@@ -126,6 +131,11 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def exchanged_kv_heads(self, sequence_parallel: int) -> int:
+        """Key/value heads attention runs with over `sequence_parallel` ranks: repeated to
+        lcm(kv heads, N) so that each rank gets whole heads (`trainer.sequence_parallel`)."""
+        return math.lcm(self.num_kv_heads, sequence_parallel)
 
     @property
     def num_dense_layers(self) -> int:
@@ -231,16 +241,17 @@ class ModelShape:
         dense = self.num_dense_layers * per_layer(self.intermediate_size)
         return dense + self.num_sparse_layers * per_layer(self.shared_expert_intermediate_size)
 
-    def activation_elements_per_token(self, checkpointed: bool) -> int:
+    def activation_elements_per_token(self, checkpointed: bool, sequence_parallel: int = 1) -> int:
         """Elements a token's forward saves for backward over the whole decoder. Per layer:
-        the two norm inputs and outputs, q, k and v, the attention output, and a dense MLP's
-        gate, up, activation and product; a sparse layer's MLP instead saves the router's
+        the two norm inputs and outputs, q, k and v (with sequence parallelism over N ranks,
+        the key/value heads repeated to lcm(kv heads, N) for the exchange), the attention
+        output, and a dense MLP's gate, up, activation and product; a sparse layer's MLP instead saves the router's
         logits, and for each of the token's experts its copy of the token, gate, up,
         activation, product and output (before the router's weight), and the shared expert's
         gate, up, activation, product and output (before its gate). With activation
         checkpointing only each layer's input is kept, and one layer at a time is recomputed."""
         h, shared = self.hidden_size, self.shared_expert_intermediate_size
-        attention = 5 * h + 2 * self.kv_dim
+        attention = 5 * h + 2 * self.exchanged_kv_heads(sequence_parallel) * self.head_dim
         dense = attention + 4 * self.intermediate_size
         routed = self.experts_per_token * (2 * h + 4 * self.expert_intermediate_size)
         sparse = attention + self.num_experts + routed + (4 * shared + h if shared else 0)
@@ -282,6 +293,10 @@ def _experts(config: dict) -> dict[str, int]:
     }
 
 
+# The parts a micro-batch holds only while it runs: a role that is not running keeps none.
+_MICRO_BATCH_PARTS = ("activations", "attention mask", "attention scores", "all-to-all buffers")
+
+
 @dataclass
 class RoleMemory:
     """One rank's estimate: part name -> bytes."""
@@ -293,14 +308,62 @@ class RoleMemory:
     def total(self) -> float:
         return sum(self.parts.values())
 
+    @property
+    def resident(self) -> float:
+        """What stays allocated while another role runs: all but a micro-batch's parts."""
+        return self.total - sum(self.parts.get(name, 0.0) for name in _MICRO_BATCH_PARTS)
+
     def describe(self) -> str:
         parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items())
         return f"{self.role}: {parts} = {self.total / GIB:.2f} GiB"
 
 
-def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> RoleMemory:
-    """A policy (or critic) rank's peak during a training step."""
+@dataclass(frozen=True)
+class MicroBatch:
+    """The largest micro-batch a group of `sequence_parallel` ranks runs when no sample is
+    longer than rollout.max_model_len: `positions` in rows `width` wide (the longest sample,
+    padded to a multiple of the degree: `trainer.sequence_parallel.padded_width`)."""
+
+    positions: int
+    width: int
+    sequence_parallel: int
+    # Whether the rows carry a [rows, 1, width, width] boolean mask: packed rows (a row's
+    # samples, or one sample and the row's tail, are runs of their own), or padded rows
+    # beside a longer one. A single unpadded row is plain causal attention.
+    masked: bool
+
+    @classmethod
+    def largest(cls, cfg: Config, sequence_parallel: int) -> MicroBatch:
+        """Rows as wide as the longest sample, as many as the group's token budget holds
+        (sequence_parallel x trainer.micro_batch_tokens; a longer sample alone), or
+        trainer.micro_batch_size of them. A mini-batch of shorter samples holds no more."""
+        trainer, sp = cfg.trainer, sequence_parallel
+        width = -(-cfg.rollout.max_model_len // sp) * sp
+        if trainer.micro_batch_tokens:
+            positions = max(sp * trainer.micro_batch_tokens, width)
+        else:
+            positions = trainer.micro_batch_size * width
+        return cls(positions, width, sp, trainer.packing or positions > width)
+
+    @property
+    def per_rank(self) -> int:
+        """The positions one rank of the group runs."""
+        return self.positions // self.sequence_parallel
+
+
+def trainer_rank(
+    cfg: Config, shape: ModelShape, role: str = "trainer rank", on_gpu: bool = True
+) -> RoleMemory:
+    """A policy (or critic) rank's peak during a training step, on GPUs or (`on_gpu` False)
+    on CPU, where short half-precision attention holds its scores (`kernels.attention`)."""
     trainer = cfg.trainer
+    # Sequence parallelism splits the policy's rows; the critic runs whole ones (checks).
+    sp = trainer.sequence_parallel if role == "trainer rank" else 1
+    if shape.num_heads % sp:
+        raise PlanDoesNotFit(
+            f"trainer.sequence_parallel={sp} gives each rank 1/{sp} of the attention heads, "
+            f"but the model has {shape.num_heads}: choose a degree that divides it"
+        )
     num_ranks = cfg.trainer.num_workers if role == "trainer rank" else cfg.critic_world_size()
     # The ranks one copy of the state is sharded over (the rest replicate it).
     num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(trainer.sharding, num_ranks)
@@ -324,20 +387,59 @@ def trainer_rank(cfg: Config, shape: ModelShape, role: str = "trainer rank") -> 
     # With LoRA the reference is the base, the policy with its adapters off: no second copy.
     if role == "trainer rank" and cfg.algorithm.kl_coef > 0 and lora is None:
         parts["reference"] = 4 * n / num_shards
-    num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
-    elements = shape.activation_elements_per_token(trainer.activation_checkpointing)
+    micro = MicroBatch.largest(cfg, sp)
+    num_tokens = micro.per_rank
+    elements = shape.activation_elements_per_token(trainer.activation_checkpointing, sp)
+    # Layers whose saved tensors are alive at once: all, or with checkpointing the one
+    # recomputed.
+    layers = 1 if trainer.activation_checkpointing else shape.num_layers
     if lora:  # each adapter also saves its A's output, r a token, for B's backward
-        layers = 1 if trainer.activation_checkpointing else shape.num_layers
         elements += layers * lora.rank * len(set(lora.target_modules))
     parts["activations"] = compute * num_tokens * elements
+    parts.update(_attention_parts(micro, shape, compute, layers, on_gpu))
     if role == "trainer rank":
         rows = min(trainer.logprob_chunk_size, num_tokens)
         columns = min(trainer.logprob_vocab_chunk_size, shape.vocab_size)
         # Its backward also accumulates the micro-batch's hidden gradient and one vocabulary
         # tile's weight gradient in fp32.
         gradients = 4 * (num_tokens + columns) * shape.hidden_size
-        parts["log-prob workspace"] = 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES + gradients
+        workspace = 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES + gradients
+        if sp > 1:  # the group's log-probs and entropies, gathered on every rank in fp32
+            workspace += 2 * 4 * micro.positions
+        parts["log-prob workspace"] = workspace
     return RoleMemory(role, parts)
+
+
+def _attention_parts(
+    micro: MicroBatch, shape: ModelShape, compute: int, layers: int, on_gpu: bool
+) -> dict[str, float]:
+    """What attention holds beyond the activations, for `layers` layers' saved tensors.
+
+    - Sequence parallelism's all-to-alls: one layer's sent and received q, k and v (heads
+      repeated) and output, transient.
+    - The rows' boolean mask, once a forward, and a copy of it each layer saves for its
+      backward: SDPA's additive mask in the compute dtype, or the explicit product's negated
+      boolean one. Neither shrinks with the sequence-parallel degree: every rank attends
+      over whole rows.
+    - On CPU, the explicit product that `kernels.attention` runs for half-precision rows of
+      at most MAX_EXPLICIT_KEYS positions instead of SDPA: each layer saves its fp32 softmax
+      and the copy of it in the compute dtype that multiplies the values.
+    """
+    from kernels.attention import MAX_EXPLICIT_KEYS  # torch and transformers: not at import
+
+    sp, heads = micro.sequence_parallel, shape.num_heads
+    parts = {}
+    if sp > 1:
+        exchanged = heads + 2 * shape.exchanged_kv_heads(sp)
+        parts["all-to-all buffers"] = 2 * micro.per_rank * exchanged * shape.head_dim * compute
+    # rows x width x width: the micro-batch's positions x width
+    square = micro.positions * micro.width
+    explicit = not on_gpu and compute == 2 and micro.width <= MAX_EXPLICIT_KEYS
+    if explicit:
+        parts["attention scores"] = (4 + compute) * square * (heads // sp) * layers
+    if micro.masked:
+        parts["attention mask"] = square * (1 + (1 if explicit else compute) * layers)
+    return parts
 
 
 def teacher_rank(cfg: Config, shape: ModelShape) -> RoleMemory:
@@ -378,14 +480,51 @@ def rollout_rank(cfg: Config, shape: ModelShape) -> tuple[RoleMemory, float]:
     num_sequences = math.ceil(
         cfg.run.prompts_per_step * cfg.algorithm.group_size / rollout.num_workers
     )
-    kv_per_token = 2 * shape.num_layers * shape.kv_dim * compute / tp
     parts = {
         "weights": compute * shape.num_params / tp,
         f"KV cache ({num_sequences} sequences x {rollout.max_model_len} tokens)": (
-            num_sequences * rollout.max_model_len * kv_per_token
+            num_sequences * rollout.max_model_len * _kv_bytes_per_token(cfg, shape)
         ),
     }
     return RoleMemory("rollout TP rank", parts), parts["weights"] + rollout.kv_cache_gb * GIB
+
+
+def _kv_bytes_per_token(cfg: Config, shape: ModelShape) -> float:
+    """A token's keys and values on one rollout TP rank, every layer, in model.dtype."""
+    compute = _DTYPE_BYTES[cfg.model.dtype]
+    return 2 * shape.num_layers * shape.kv_dim * compute / cfg.rollout.tensor_parallel_size
+
+
+def engine_kv_tokens(cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool) -> int:
+    """Tokens a rollout engine's KV cache holds at most: rollout.kv_cache_gb on CPU; on GPUs
+    what vLLM's reserve (rollout.gpu_memory_utilization of `device_bytes`) leaves beside the
+    weights, less room vLLM keeps for its own activations, which it measures at start."""
+    if on_gpu:
+        weights = (
+            _DTYPE_BYTES[cfg.model.dtype] * shape.num_params / cfg.rollout.tensor_parallel_size
+        )
+        budget = cfg.rollout.gpu_memory_utilization * device_bytes - weights
+    else:
+        budget = cfg.rollout.kv_cache_gb * GIB
+    return max(0, int(budget // _kv_bytes_per_token(cfg, shape)))
+
+
+def _check_kv_cache(
+    cfg: Config, shape: ModelShape, device_bytes: float, on_gpu: bool, lines: list[str]
+) -> None:
+    """Adds the engine's KV budget to `lines`; PlanDoesNotFit when it cannot hold one
+    sequence of rollout.max_model_len, which vLLM refuses at start."""
+    tokens, length = engine_kv_tokens(cfg, shape, device_bytes, on_gpu), cfg.rollout.max_model_len
+    lines.append(
+        f"a rollout engine's KV cache holds at most {tokens:,} tokens: {tokens // length} "
+        f"sequences of rollout.max_model_len={length:,}"
+    )
+    if tokens < length:
+        budget = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_gb"
+        raise PlanDoesNotFit(
+            _verdict(lines, "a rollout engine cannot hold one sequence of rollout.max_model_len")
+            + f"; raise {budget} or rollout.tensor_parallel_size, or lower rollout.max_model_len"
+        )
 
 
 def largest_bucket_bytes(cfg: Config, shape: ModelShape) -> float:
@@ -424,8 +563,8 @@ def check_fits(
     """The estimate, one line a role, and the verdict; PlanDoesNotFit with the fix when the
     plan needs more than `device_bytes` per GPU (on_gpu) or in host memory (CPU: every
     rank of every role shares it). `teacher_shape`: the distillation teacher's, if any."""
-    trainer = trainer_rank(cfg, shape)
-    critic = trainer_rank(cfg, shape, "critic rank") if needs_critic(cfg) else None
+    trainer = trainer_rank(cfg, shape, on_gpu=on_gpu)
+    critic = trainer_rank(cfg, shape, "critic rank", on_gpu) if needs_critic(cfg) else None
     teacher = None if teacher_shape is None else teacher_rank(cfg, teacher_shape)
     rollout, cpu_reserve = rollout_rank(cfg, shape)
     lines = [trainer.describe()]
@@ -435,11 +574,11 @@ def check_fits(
     rollout_line = len(lines)
     lines.append(rollout.describe())
     # The critic trains after the policy and the teacher scores before it: their states stay
-    # resident, activations do not add up.
-    trainer_side = trainer.total + (critic.total - critic.parts["activations"] if critic else 0)
+    # resident, micro-batches do not add up.
+    trainer_side = trainer.total + (critic.resident if critic else 0)
     own_devices = teacher is not None and cfg.teacher.devices > 0
     if teacher is not None and not own_devices:
-        trainer_side += teacher.total - teacher.parts["activations"]
+        trainer_side += teacher.resident
     if on_gpu:
         reserve = cfg.rollout.gpu_memory_utilization * device_bytes
         lines.append(
@@ -451,6 +590,7 @@ def check_fits(
                 _verdict(lines, "the rollout engine's weights alone fill what vLLM reserves")
                 + "; raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size"
             )
+        _check_kv_cache(cfg, shape, device_bytes, on_gpu, lines)
         colocated = cfg.scheduler.placement == "colocate"
         trainer_sync, rollout_sync = sync_buffers(cfg, shape)
         if trainer_sync:
@@ -476,11 +616,12 @@ def check_fits(
         needed = trainer_side + (reserve + rollout_sync if colocated else 0)
         where = "a device shared by a trainer rank and vLLM" if colocated else "a trainer device"
     else:
+        _check_kv_cache(cfg, shape, device_bytes, on_gpu, lines)
         needed = trainer.total * cfg.trainer.num_workers + cpu_reserve * cfg.rollout.num_workers
         if critic is not None:
-            needed += (critic.total - critic.parts["activations"]) * cfg.critic_world_size()
+            needed += critic.resident * cfg.critic_world_size()
         if teacher is not None:
-            needed += (teacher.total - teacher.parts["activations"]) * cfg.teacher_world_size()
+            needed += teacher.resident * cfg.teacher_world_size()
         where = "host memory, shared by every rank"
     summary = f"{where}: {needed / GIB:.2f} GiB needed of {device_bytes / GIB:.2f} GiB"
     if needed > device_bytes:
@@ -500,7 +641,15 @@ def _suggestion(cfg: Config, trainer: RoleMemory) -> str:
     if largest == "activations" and not cfg.trainer.activation_checkpointing:
         return "; set trainer.activation_checkpointing=true, or lower trainer.micro_batch_size"
     if largest == "activations":
-        return "; lower trainer.micro_batch_size or rollout.max_model_len"
+        return (
+            "; lower trainer.micro_batch_size or rollout.max_model_len, or raise "
+            "trainer.sequence_parallel"
+        )
+    if largest == "attention mask":
+        return (
+            "; lower rollout.max_model_len or the micro-batch (the packed rows' mask is as wide "
+            "as the longest sample, squared, whatever trainer.sequence_parallel)"
+        )
     if largest in ("params", "grads", "optimizer", "reference"):
         return (
             "; shard over more trainer ranks (trainer.num_workers), or lower "
@@ -538,7 +687,70 @@ def memory_report(cfg: Config, device_memory_gb: float | None) -> str:
             header += f"\nteacher: {teacher_shape.describe()}"
         else:
             header += f"\nteacher: left out, {teacher_config} is not here to read its sizes"
-    return f"{header}\n{check_fits(cfg, shape, device_bytes, on_gpu, teacher_shape)}"
+    longest = _describe_longest(cfg, shape, device_bytes, on_gpu, teacher_shape)
+    try:
+        verdict = check_fits(cfg, shape, device_bytes, on_gpu, teacher_shape)
+    except PlanDoesNotFit as exc:
+        raise PlanDoesNotFit(f"{exc}\n{longest}") from None
+    return f"{header}\n{verdict}\n{longest}"
+
+
+def longest_sample(
+    cfg: Config,
+    shape: ModelShape,
+    device_bytes: float,
+    on_gpu: bool,
+    sequence_parallel: int,
+    teacher_shape: ModelShape | None = None,
+) -> int:
+    """The largest rollout.max_model_len at which the plan fits (`check_fits`) with
+    trainer.sequence_parallel = `sequence_parallel`; 0 when none does. Doubles, then
+    bisects: it takes the estimate to grow with the length, as it does beyond the
+    explicit product's few hundred positions on CPU (`_attention_parts`)."""
+    trainer = cfg.trainer.model_copy(update={"sequence_parallel": sequence_parallel})
+
+    def fits(length: int) -> bool:
+        rollout = cfg.rollout.model_copy(update={"max_model_len": length})
+        trial = cfg.model_copy(update={"trainer": trainer, "rollout": rollout})
+        try:
+            check_fits(trial, shape, device_bytes, on_gpu, teacher_shape)
+        except PlanDoesNotFit:
+            return False
+        return True
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):  # the attention mask alone grows as the length squared
+        low, high = high, 2 * high
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _describe_longest(
+    cfg: Config,
+    shape: ModelShape,
+    device_bytes: float,
+    on_gpu: bool,
+    teacher_shape: ModelShape | None,
+) -> str:
+    """The longest sample the plan fits without sequence parallelism and with the degree
+    configured, and the engine's own bound."""
+    degrees = sorted({1, cfg.trainer.sequence_parallel})
+    if shape.num_heads % cfg.trainer.sequence_parallel:
+        degrees = [1]  # trainer_rank says why the configured one cannot run
+    found = [
+        f"{longest_sample(cfg, shape, device_bytes, on_gpu, n, teacher_shape):,} tokens with "
+        f"trainer.sequence_parallel={n}"
+        for n in degrees
+    ]
+    engine = engine_kv_tokens(cfg, shape, device_bytes, on_gpu)
+    return (
+        f"longest sample the plan fits (rollout.max_model_len): {', '.join(found)}; a rollout "
+        f"engine's KV cache alone holds one of {engine:,}"
+    )
 
 
 def _visible_gpu() -> tuple[str, int] | None:

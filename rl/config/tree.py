@@ -419,7 +419,12 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(
         0.4, description="vLLM GPU memory fraction per worker (GPU only)."
     )
-    max_model_len: int = Field(256, description="Longest prompt+response the engine accepts.")
+    max_model_len: int = Field(
+        256,
+        description="Longest prompt+response the engine accepts (vLLM's max_model_len); the "
+        "prompt limit (data.max_prompt_tokens 0) and the trainer's widest packed row follow "
+        "from it, and the KV budget must hold one such sequence (--dry-run checks).",
+    )
     compile: bool | None = Field(
         None,
         description="vllm: compile the model (vLLM's enforce_eager=false). null = compiled on "

@@ -84,3 +84,24 @@ def test_the_policy_sweep_runs_each_system_on_its_own_policy_and_reports_against
     sync = results[0].steps_per_hour
     for row, result in zip(rows, results, strict=True):
         assert row[4].strip() == f"{result.steps_per_hour / sync:.2f}x"
+
+
+def test_the_sequence_parallel_sweep_trains_128k_samples_only_where_a_rank_holds_one() -> None:
+    runs = [
+        dataclasses.replace(
+            run, workload=dataclasses.replace(run.workload, num_steps=2, groups_per_step=2)
+        )
+        for run in simulate.sequence_parallel_sweep(small(num_steps=2))
+    ]
+    results = simulate.run_all(runs, workers=1)
+    table = simulate.sequence_parallel_report(list(zip(runs, results, strict=True)))
+    rows = {
+        row[0]: row[2:]
+        for row in (line.strip("| ").split(" | ") for line in table.splitlines()[2:])
+    }
+    # A 131,072-token sample: its mask alone is 3 x 131072^2 bytes = 51.5 GB on every rank.
+    assert {n: (fits, link) for n, (fits, link, _, _) in rows.items()} == {
+        "1": ("no", "-"), "2": ("no", "NVLink"), "4": ("yes", "NVLink"),
+        "7": ("yes", "NVLink"), "14": ("yes", "network"),
+    }  # fmt: skip
+    assert all((speed == "-") == (fits == "no") for fits, _, _, speed in rows.values())

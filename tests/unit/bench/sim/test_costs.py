@@ -103,3 +103,49 @@ def test_a_mixture_of_experts_computes_with_its_active_and_moves_its_total_param
     assert moe.decode_step_s(batch, context) == pytest.approx(
         0.001 + 4.5e-5 * batch + max(memory, compute)
     )
+
+
+# Ulysses sequence parallelism, Qwen2.5-7B: 28 layers, hidden 3584 = 28 query heads of 128,
+# 4 key/value heads, MLP 18944. Degrees 4 and 7 stay on one 8-GPU node, 14 spans two.
+
+
+def test_a_ranks_all_to_all_bytes_are_its_positions_q_k_v_and_output_less_its_own_share() -> None:
+    positions = 1000
+    for n, kv_heads in ((4, 4), (7, 28)):  # k and v repeated to lcm(4, n) heads
+        cost = costs.CostModel(costs.H100, costs.QWEN25_7B, sequence_parallel=n)
+        forward = 28 * positions * (2 * 28 + 2 * kv_heads) * 128 * 2 * (n - 1) / n
+        assert cost.all_to_all_bytes(positions) == pytest.approx(2 * forward)  # and backward
+    assert costs.CostModel(costs.H100, costs.QWEN25_7B).all_to_all_bytes(positions) == 0
+    with pytest.raises(ValueError, match="sequence_parallel=3 does not divide .* 28"):
+        costs.CostModel(costs.H100, costs.QWEN25_7B, sequence_parallel=3)
+
+
+def test_sequence_parallel_training_adds_the_all_to_alls_over_nvlink_or_the_network() -> None:
+    s, gpus = 32768, 56
+    flops = 6 * 7.62e9 * s + 6 * 28 * 3584 * s * s
+    compute = 2 * flops / (gpus * 989e12 * 0.35)
+    per_rank = 2 * s / gpus  # each rank's share of the two samples' positions
+    for n, kv_heads, link in ((7, 28, 450e9), (14, 28, 50e9)):
+        cost = costs.CostModel(costs.H100, costs.QWEN25_7B, sequence_parallel=n)
+        sent = 2 * 28 * per_rank * (2 * 28 + 2 * kv_heads) * 128 * 2 * (n - 1) / n
+        assert cost.train_s([s, s], gpus) == pytest.approx(compute + sent / link)
+        forward = flops / 3 * 2 / (gpus * 989e12 * 0.35)
+        assert cost.annotate_s([s, s], gpus) == pytest.approx(forward + sent / 2 / link)
+
+
+def test_a_trainer_ranks_memory_for_a_long_sample_shrinks_with_the_degree_but_its_mask_does_not():
+    s, gpus = 131072, 64
+    state = 16 * 7.62e9 / 64
+    mask = 3 * s * s  # bool, and the recomputed layer's bf16 copy
+    one = costs.CostModel(costs.H100, costs.QWEN25_7B).trainer_rank_bytes(s, gpus)
+    layer = 5 * 3584 + 2 * 4 * 128 + 4 * 18944
+    assert one == pytest.approx(state + 2 * s * (28 * 3584 + layer) + mask)
+    seven = costs.CostModel(costs.H100, costs.QWEN25_7B, sequence_parallel=7)
+    width = 131075  # padded to a multiple of 7
+    layer = 5 * 3584 + 2 * 28 * 128 + 4 * 18944
+    activations = 2 * (width // 7) * (28 * 3584 + layer)
+    exchange = 2 * (width // 7) * (28 * 128 + 2 * 28 * 128) * 2
+    assert seven.trainer_rank_bytes(s, gpus) == pytest.approx(
+        state + activations + exchange + 3 * width * width
+    )
+    assert one > 80e9 > seven.trainer_rank_bytes(s, gpus)  # an H100 trains it at 7, not at 1

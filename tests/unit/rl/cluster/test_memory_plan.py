@@ -1,9 +1,11 @@
 """The dry run's memory estimate: parameter counts of real HF architectures, and whether a
-plan fits the devices it is told about, with a fix named when it does not."""
+plan fits the devices it is told about, with a fix named when it does not; with sequence
+parallelism, each rank's share and the longest sample a plan fits."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from rl.cluster.memory_plan import (
     PlanDoesNotFit,
     check_fits,
     largest_bucket_bytes,
+    longest_sample,
     memory_report,
     teacher_rank,
     trainer_rank,
@@ -493,3 +496,207 @@ def test_a_teacher_on_devices_of_its_own_must_fit_one(tmp_path: Path) -> None:
         check_fits(cfg, student, 24 * GIB, on_gpu=True, teacher_shape=teacher)
     cfg.teacher.num_workers = cfg.teacher.devices = 4  # 7.6 GB of weights each
     check_fits(cfg, student, 24 * GIB, on_gpu=True, teacher_shape=teacher)
+
+
+# Sequence parallelism. Qwen2.5-0.5B: 14 query heads and 2 key/value heads of 64, hidden 896,
+# MLP 4864, 24 layers, vocabulary 151936. Over 7 ranks its key/value heads are repeated to
+# lcm(2, 7) = 14 so that each rank gets whole heads.
+
+
+def test_sequence_parallelism_gives_a_rank_its_share_of_the_positions_and_whole_row_attention(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    packed = {"num_workers": 14, "packing": True, "micro_batch_tokens": 2048}
+    one = trainer_rank(_gpu_config(trainer={**packed, "sequence_parallel": 1}), shape).parts
+    seven = trainer_rank(_gpu_config(trainer={**packed, "sequence_parallel": 7}), shape).parts
+    n = 494_032_768
+    state = {"params": 4 * n / 14, "grads": 4 * n / 14, "optimizer": 8 * n / 14}
+    # Without: a micro-batch of 2048 positions (rows of the 1536-token samples) on each rank.
+    assert one == {
+        **state,
+        "gathered": one["gathered"],
+        "activations": 2 * 2048 * 24 * (5 * 896 + 2 * 2 * 64 + 4 * 4864),
+        "attention mask": 2048 * 1536 * (1 + 2 * 24),  # bool, and each layer's bf16 copy
+        "log-prob workspace": 4 * 2048 * 8192 * 3 + 4 * (2048 + 8192) * 896,
+    }
+    # With 7: the group's micro-batch holds 7 x 2048 positions in rows padded to 1540 (a
+    # multiple of 7); a rank runs 2048 of them, its attention 2 of 14 heads over whole rows.
+    assert seven == {
+        **state,
+        "gathered": one["gathered"],
+        "activations": 2 * 2048 * 24 * (5 * 896 + 2 * 14 * 64 + 4 * 4864),
+        "all-to-all buffers": 2 * 2048 * (14 + 2 * 14) * 64 * 2,
+        "attention mask": 7 * 2048 * 1540 * (1 + 2 * 24),
+        # and the group's log-probs and entropies gathered, fp32
+        "log-prob workspace": 4 * 2048 * 8192 * 3 + 4 * (2048 + 8192) * 896 + 2 * 4 * 7 * 2048,
+    }
+    with pytest.raises(PlanDoesNotFit, match=r"sequence_parallel=4 .* the model has 14"):
+        trainer_rank(_gpu_config(trainer={**packed, "sequence_parallel": 4}), shape)
+
+
+def test_a_sample_longer_than_the_token_budget_is_a_micro_batch_of_its_own(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    trainer = {"packing": True, "micro_batch_tokens": 1024, "activation_checkpointing": True}
+    cfg = _gpu_config(trainer={**trainer, "sequence_parallel": 2}, rollout={"max_model_len": 5001})
+    parts = trainer_rank(cfg, shape).parts
+    # One row of 5002 positions (5001 padded to a multiple of 2): 2501 a rank.
+    assert parts["activations"] == 2 * 2501 * (24 * 896 + 5 * 896 + 2 * 2 * 64 + 4 * 4864)
+    # With checkpointing, the layer recomputed holds its bf16 copy of the mask.
+    assert parts["attention mask"] == 5002 * 5002 * (1 + 2)
+
+
+def test_on_cpu_short_half_precision_rows_hold_their_attention_scores(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    trainer = {"packing": True, "micro_batch_size": 2, "sequence_parallel": 2}
+    short = _gpu_config(trainer=trainer, rollout={"max_model_len": 192})
+    parts = trainer_rank(short, shape, on_gpu=False).parts
+    # kernels.attention's explicit product: 2 rows x 7 heads x 192 x 192 scores a layer, saved
+    # as fp32 softmax and its bf16 copy; the boolean mask and each layer's negation of it.
+    assert parts["attention scores"] == 2 * 7 * 192 * 192 * (4 + 2) * 24
+    assert parts["attention mask"] == 2 * 192 * 192 * (1 + 24)
+    long = trainer_rank(_gpu_config(trainer=trainer, rollout={"max_model_len": 194}), shape, False)
+    assert "attention scores" not in long.parts  # SDPA beyond 192 keys
+    assert long.parts["attention mask"] == 2 * 194 * 194 * (1 + 2 * 24)
+    on_gpu = trainer_rank(short, shape).parts
+    assert "attention scores" not in on_gpu
+    assert on_gpu["attention mask"] == 2 * 192 * 192 * (1 + 2 * 24)
+
+
+def test_a_rollout_engine_must_hold_one_sequence_of_max_model_len(tmp_path: Path) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    cfg = Config.model_validate(
+        {
+            "model": {"path": "m", "dtype": "bfloat16"},
+            "rollout": {"kv_cache_gb": 0.01, "max_model_len": 1536},
+            "trainer": {"num_workers": 2, "micro_batch_size": 4},
+        }
+    )
+    # A token's keys and values: 2 x 24 layers x 2 heads x 64 in bf16 = 12,288 bytes.
+    held = int(0.01 * GIB // 12_288)
+    with pytest.raises(
+        PlanDoesNotFit, match=rf"(?s)holds at most {held:,} tokens.*raise rollout.kv_cache_gb"
+    ):
+        check_fits(cfg, shape, 64 * GIB, on_gpu=False)
+    cfg.rollout.kv_cache_gb = 1.0
+    report = check_fits(cfg, shape, 64 * GIB, on_gpu=False)
+    assert f"holds at most {GIB // 12_288:,} tokens: {GIB // 12_288 // 1536} sequences" in report
+
+
+def _longest_by_hand(shape: ModelShape, sp: int, device: float) -> int:
+    """The longest sample of the plan `_long_sample_config` (one sample a micro-batch,
+    checkpointed, on trainer GPUs of their own) by its parts written out for Qwen2.5-7B: hidden
+    3584, MLP 18944, 28 layers, 28 heads and 4 key/value heads of 128, untied 152064 x 3584
+    embedding and head. A row of W positions (a multiple of sp) costs a rank C + a W + 3 W^2:
+    its bool mask and the recomputed layer's bf16 copy do not shrink with sp."""
+    n, h, vocab = shape.num_params, 3584, 152064
+    kv = math.lcm(4, sp)
+    constant = (
+        16 * n / 8  # fp32 parameters, gradients, AdamW's moments over 8 ranks
+        + 2 * (shape.num_root_params + 2 * shape.num_layer_params)  # gathered in bf16
+        + 4 * 8192 * 3
+        + 4 * 8192 * h  # log-prob chunk (1 x 8192 columns), weight gradient
+        + 2 * vocab * h  # the sync's bucket: the LM head
+    )
+    per_token = (
+        2 * (28 * h + 5 * h + 2 * kv * 128 + 4 * 18944)  # checkpointed activations
+        + (2 * (28 + 2 * kv) * 128 * 2 if sp > 1 else 0)  # all-to-all buffers
+        + 4 * h  # the log-prob kernel's hidden gradient
+    )
+    linear = per_token / sp + (8 if sp > 1 else 0)  # + the gathered log-probs and entropies
+    root = (-linear + math.sqrt(linear**2 + 4 * 3 * (device - constant))) / (2 * 3)
+    width = int(root) // sp * sp
+    while constant + linear * (width + sp) + 3 * (width + sp) ** 2 <= device:
+        width += sp
+    while constant + linear * width + 3 * width**2 > device:
+        width -= sp
+    return width
+
+
+def _long_sample_config(sp: int, path: str = "m") -> Config:
+    return _gpu_config(
+        model={"path": path},
+        trainer={
+            "packing": True,
+            "micro_batch_size": 1,
+            "activation_checkpointing": True,
+            "logprob_chunk_size": 1,
+            "sequence_parallel": sp,
+        },
+        rollout={"gpu_memory_utilization": 0.9},
+        scheduler={"placement": "split", "rollout_devices": 8, "trainer_devices": 8},
+    )
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_the_longest_sample_is_the_longest_whose_per_rank_plan_fits(
+    tmp_path: Path, sp: int
+) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    expected = _longest_by_hand(shape, sp, 80 * GIB)
+    assert longest_sample(_long_sample_config(sp), shape, 80 * GIB, True, sp) == expected
+
+
+def test_the_dry_run_says_the_longest_sample_without_and_with_sequence_parallelism(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_7B)
+    one, two = (_longest_by_hand(shape, sp, 80 * GIB) for sp in (1, 2))
+    # The mask, quadratic in the length, keeps the gain below 2x.
+    assert 1.2 * one < two < 2 * one
+    report = memory_report(_long_sample_config(2, str(tmp_path)), device_memory_gb=80)
+    assert report.splitlines()[-1].startswith(
+        f"longest sample the plan fits (rollout.max_model_len): {one:,} tokens with "
+        f"trainer.sequence_parallel=1, {two:,} tokens with trainer.sequence_parallel=2"
+    )
+
+
+def test_the_long_sample_recipe_fits_80_gib_gpus_with_its_sequence_parallelism_only(
+    tmp_path: Path,
+) -> None:
+    from rl.config.recipe import load_config
+
+    shape = _shape(tmp_path, QWEN_7B)
+    recipe = Path(__file__).resolve().parents[4] / "recipes/gpu/dapo_qwen2.5_7b_long.yaml"
+    cfg = load_config(recipe)
+    assert (cfg.trainer.sequence_parallel, cfg.rollout.max_model_len) == (4, 65536)
+    assert check_fits(cfg, shape, 80 * GIB, on_gpu=True).splitlines()[-1].startswith("fits")
+    cfg.trainer.sequence_parallel = 1
+    with pytest.raises(PlanDoesNotFit, match="does not fit"):
+        check_fits(cfg, shape, 80 * GIB, on_gpu=True)
+
+
+@pytest.mark.parametrize(
+    ("width", "bytes_per_element"),
+    # SDPA beyond 192 keys: an additive bf16 mask; the explicit product: 7 heads' fp32 and
+    # bf16 scores, and the mask negated
+    [(200, 2), (64, 7 * (4 + 2) + 1)],
+    ids=["sdpa-mask-copy", "explicit-scores"],
+)
+def test_the_attention_bytes_counted_are_what_tandems_attention_saves_for_backward(
+    width: int, bytes_per_element: int
+) -> None:
+    """Measured: the [width, width] tensors a bf16 CPU attention call over 2 packed rows saves
+    for its backward, beyond the boolean mask, against the plan's per layer and mask element
+    (`test_on_cpu_short_half_precision_rows_hold_their_attention_scores`)."""
+    from kernels.attention import attention
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 1, True
+    q, k, v = (
+        torch.randn(2, 7, width, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    mask = torch.ones(2, 1, width, width, dtype=torch.bool).tril()
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if tensor.shape[-2:] == (width, width) and storage.data_ptr() != mask.data_ptr():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        attention(module, q, k, v, mask)
+    assert sum(saved.values()) == 2 * width * width * bytes_per_element
