@@ -182,7 +182,9 @@ def main() -> None:
     two = sub.add_parser("compare")
     two.add_argument("--steps", type=int, default=1000)
     two.add_argument("--every", type=int, default=10)
-    two.add_argument("--tables-only", action="store_true", help="no runs: tables of the runs already there")
+    two.add_argument(
+        "--tables-only", action="store_true", help="no runs: tables of the runs already there"
+    )
     args, extra = parser.parse_known_args()
     if args.stage == "teacher":
         teacher(args)

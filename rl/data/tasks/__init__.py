@@ -13,6 +13,7 @@ from __future__ import annotations
 from rl.data.tasks import (  # noqa: F401
     addition,
     countdown,
+    majority,
     math_answers,
     openenv_env,
     reasoning_gym,

@@ -485,6 +485,8 @@ def test_lora_on_a_mixture_of_experts_served_by_vllm_is_refused(tmp_path: Path) 
     moe = build_moe_checkpoint(tmp_path / "moe", "qwen3_moe")
     recipe = REPO / "recipes/grpo_addition_cpu.yaml"
     lora = [f"model.path={moe}", "model.lora.rank=8"]
-    with pytest.raises(ConfigError, match=r"model.lora on a mixture of experts .* rollout.engine=torch only"):
+    with pytest.raises(
+        ConfigError, match=r"model.lora on a mixture of experts .* rollout.engine=torch only"
+    ):
         check_inputs(load_config(recipe, [*lora, "rollout.engine=vllm"]), "recipe.yaml")
     check_inputs(load_config(recipe, [*lora, "rollout.engine=torch"]), "recipe.yaml")

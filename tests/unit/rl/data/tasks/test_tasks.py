@@ -15,6 +15,7 @@ def test_registry_lists_valid_names() -> None:
     assert TASKS.names() == [
         "addition",
         "countdown",
+        "majority",
         "math",
         "openenv",
         "reasoning_gym",
@@ -22,7 +23,8 @@ def test_registry_lists_valid_names() -> None:
         "verifiers",
     ]
     with pytest.raises(
-        ValueError, match="addition, countdown, math, openenv, reasoning_gym, repeat, verifiers"
+        ValueError,
+        match="addition, countdown, majority, math, openenv, reasoning_gym, repeat, verifiers",
     ):
         get_task("subtraction")
 
