@@ -14,9 +14,11 @@ sample of `--length` tokens, fp32, 2 gloo ranks on CPU, FSDP2 over both:
 
 Each measurement is one forward and backward (`PolicyTrainer.accumulate_gradients`) in fresh
 rank processes. Per rank, two measures of the memory the step adds:
-- `allocated`: the peak of torch's live CPU allocations during the step above those live when
-  it started (every allocation and free recorded by torch.profiler with profile_memory, summed
-  in order): activations, gradients, the gathered parameters and the all-to-all buffers;
+- `allocated`: the most bytes torch allocated on CPU during the step that were live at once
+  (every allocation and free within the step, recorded by torch.profiler with profile_memory,
+  summed in order): activations, gradients, the gathered parameters and the all-to-all
+  buffers. The profiler does not see the frees of memory allocated before the step, so this
+  is never below the step's true rise;
 - `resident`: the rise of the process's peak resident memory (VmHWM, reset just before the step)
   over its resident memory then (after freed heap memory was handed back with malloc_trim):
   what the kernel sees, allocator caching and the communication library's buffers included.
@@ -100,7 +102,8 @@ def one_sample(length: int, vocab_size: int) -> Batch:
 
 
 def allocated_peak(prof: profile) -> int:
-    """The peak of torch's live CPU allocations over the profiled window, above its start."""
+    """The most bytes allocated on CPU within the profiled window that were live at once (the
+    profiler records no free of memory allocated before the window)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
