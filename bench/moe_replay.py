@@ -40,7 +40,7 @@ from rl.config import TrainerConfig
 from rl.config.recipe import load_config
 from rl.data.loading import load_split
 from rl.data.prompts import encode_prompts, padding_id
-from rl.expert_routing import NATURAL
+from rl.expert_routing import disagreement
 from rl.run.batching import build_batch
 from rl.types import SamplingParams, fresh_samples
 from rollout.engines.registry import build_engine
@@ -100,7 +100,7 @@ def gap(args: argparse.Namespace) -> None:
                 logprob, _ = model(inputs, params.temperature)
             disagree = "n/a"
             if record is not None:
-                differ, pairs = _disagreement(model.routing.calls, record)
+                differ, pairs = disagreement(model.routing.calls, record).tolist()
                 disagree = f"{differ / pairs:.2%}"
             abs_gap = (logprob - batch.behaviour_logprobs).abs() * mask
             _, k3 = mismatch_kl(logprob, batch.behaviour_logprobs)
@@ -118,18 +118,6 @@ def gap(args: argparse.Namespace) -> None:
                 f"{tuple(samples[0].routed_experts.shape[1:])} per position)"
             )
     print("\n" + "\n".join(notes))
-
-
-def _disagreement(calls: list, record: torch.Tensor) -> tuple[int, int]:
-    """(pairs, of the recorded (position, layer) pairs) where the trainer's router chose
-    another top-k set than the engine's record."""
-    forced = (record != NATURAL).any(dim=(1, 2))
-    differ = 0
-    for layer, call in enumerate(calls):
-        natural = call.natural.sort(dim=-1).values
-        recorded = record[:, layer].sort(dim=-1).values
-        differ += int(((natural != recorded).any(dim=-1) & forced).sum())
-    return differ, int(forced.sum()) * len(calls)
 
 
 def runs(args: argparse.Namespace, extra: list[str]) -> None:

@@ -142,14 +142,16 @@ class ExpertRouting:
         yield
 
 
-def disagreement(calls: list[RouterCall], forced: torch.Tensor) -> torch.Tensor:
-    """(pairs that differ, pairs) as a [2] float tensor over the (forced token, layer) pairs
-    of the last forward: pairs whose router would have chosen another top-k set than the one
-    the record forced. `forced` [N] bool marks the tokens a record routed. Stays on the
-    device (no sync): the caller sums it over micro-batches and ranks."""
+def disagreement(calls: list[RouterCall], record: torch.Tensor) -> torch.Tensor:
+    """(pairs that differ, pairs) as a [2] float tensor over the recorded (token, layer) pairs
+    of the last forward (`record` [N, layers, k], NATURAL where nothing was recorded): pairs
+    whose router chose itself another top-k set than the record's. Stays on the device (no
+    sync): the caller sums it over micro-batches and ranks."""
+    record = record.long()
+    forced = (record != NATURAL).any(dim=(1, 2))
     differ = forced.new_zeros((), dtype=torch.float32)
-    for call in calls:
+    for layer, call in enumerate(calls):
         natural = call.natural.sort(dim=-1).values
-        used = call.used.sort(dim=-1).values
-        differ = differ + ((natural != used).any(dim=-1) & forced).sum()
+        recorded = record[:, layer].to(natural.device).sort(dim=-1).values
+        differ = differ + ((natural != recorded).any(dim=-1) & forced).sum()
     return torch.stack([differ, forced.sum().float() * len(calls)])

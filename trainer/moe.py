@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl.expert_routing import NATURAL, ExpertRouting, disagreement
+from rl.expert_routing import ExpertRouting, disagreement
 from rl.types import PolicyObjective
 from trainer.packing import ModelInput
 
@@ -45,8 +45,7 @@ class MoEMiniBatch:
         tally = self._objective.router_tally(logits, used, real)
         self._tally = tally if self._tally is None else self._tally + tally
         if inputs.routing is not None:
-            forced = (inputs.routing.flatten(0, 1) != NATURAL).any(dim=(1, 2)) & real
-            self._replay += disagreement(calls, forced)
+            self._replay += disagreement(calls, inputs.routing.flatten(0, 1))
         share = real.sum() / self._num_tokens
         return self._objective.router_loss(logits, used, real) * share
 
