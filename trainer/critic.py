@@ -33,6 +33,7 @@ from trainer.ranks import (
     peak_memory_mb,
     reset_peak_memory,
 )
+from trainer.sequence_parallel import SequenceParallel, join, prepare_model, run_decoder
 
 # Sums over valid tokens, all-reduced over ranks: the metrics and explained variance need them.
 _SUMS = ("tokens", "clipped", "values", "returns", "returns_sq", "error", "error_sq")
@@ -41,11 +42,19 @@ _SUMS = ("tokens", "clipped", "values", "returns", "returns_sq", "error", "error
 class ValueModel(nn.Module):
     """A causal-LM decoder (no LM head) and a linear value head: hidden -> 1 per position."""
 
-    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        hidden_size: int,
+        sequence_parallel: SequenceParallel | None = None,
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, 1)
         self.zero_head()
+        # trainer.sequence_parallel > 1: this rank's group, as the policy's
+        # (`trainer.fsdp.LogProbModel`).
+        self.sequence_parallel = sequence_parallel
 
     @torch.no_grad()
     def zero_head(self) -> None:
@@ -60,27 +69,36 @@ class ValueModel(nn.Module):
         """values [B, T-1] fp32 of the micro-batch `inputs` was built from.
 
         Aligned with `Batch`'s targets: values[:, t] is the value of the state after
-        input_ids[:, :t+1], before emitting target input_ids[:, t+1].
+        input_ids[:, :t+1], before emitting target input_ids[:, t+1]. Under sequence
+        parallelism every rank of the group returns the whole micro-batch's values.
         """
-        hidden = self.backbone(
-            input_ids=inputs.input_ids,
-            attention_mask=inputs.attention_mask,
-            position_ids=inputs.position_ids,
-            use_cache=False,
-        ).last_hidden_state
-        return inputs.unpack(self.head(inputs.target_hidden(hidden)).squeeze(-1).float())
+        (values,) = run_decoder(self.backbone, inputs, self.sequence_parallel, self._values)
+        return values
+
+    def _values(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.head(hidden).squeeze(-1).float(),)
 
 
-def load_value_model(path: str, dtype: str, mesh: DeviceMesh, cfg: TrainerConfig) -> ValueModel:
+def load_value_model(
+    path: str,
+    dtype: str,
+    mesh: DeviceMesh,
+    cfg: TrainerConfig,
+    sequence_parallel: SequenceParallel | None = None,
+) -> ValueModel:
     """The decoder of the HF causal LM at `path` plus a zero value head, sharded with FSDP2
     like the policy (`trainer.fsdp.shard_with_fsdp`), each rank reading only its own rows of
-    the checkpoint (`trainer.rank_local_load`); `dtype` is the compute dtype."""
+    the checkpoint (`trainer.rank_local_load`); `dtype` is the compute dtype. With
+    `sequence_parallel`, run as the policy does (`trainer.sequence_parallel`)."""
     causal_lm = meta_causal_lm(path)
-    layers = decoder_layers(causal_lm, f"critic checkpoint {path!r}")
+    source = f"critic checkpoint {path!r}"
+    layers = decoder_layers(causal_lm, source)
+    if sequence_parallel is not None:
+        prepare_model(causal_lm, sequence_parallel.size, source)
     # The LM head is dropped: a critic predicts one number.
     decoder = causal_lm.get_decoder()
     with torch.device("meta"):
-        model = ValueModel(decoder, causal_lm.config.hidden_size)
+        model = ValueModel(decoder, causal_lm.config.hidden_size, sequence_parallel)
     # Dropout would make the values of one batch differ between forward passes.
     model.eval()
     shard_with_fsdp(model, layers, mesh, dtype, cfg, cfg.activation_checkpointing)
@@ -108,8 +126,11 @@ class ValueTrainer(RoleRank):
         self.cfg, self.value_loss = cfg, value_loss
         self.rank, self.world_size = rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
+        sp = join(self.device.type, world_size, cfg.trainer.sequence_parallel)
+        # Under sequence parallelism a group's ranks hold the same values; the first counts them.
+        self.counts_rows = sp is None or sp.counts_rows
         self.model = load_value_model(
-            cfg.critic.path or cfg.model.path, cfg.model.dtype, mesh, cfg.trainer
+            cfg.critic.path or cfg.model.path, cfg.model.dtype, mesh, cfg.trainer, sp
         )
         self.optimizer, self.scheduler = adamw_with_warmup(
             self.model.parameters(),
@@ -133,7 +154,7 @@ class ValueTrainer(RoleRank):
         pieces = []
         for micro, inputs, rows in self._micro_batches(batch):
             values = self.model(inputs)  # dummies run too
-            if rows is not None:
+            if rows is not None and self.counts_rows:
                 pieces.append((rows, values * micro.loss_mask))
         reshard(self.model)  # no backward follows to free the gathered parameters
         return gather_rows(pieces, batch, self.device)
@@ -163,6 +184,8 @@ class ValueTrainer(RoleRank):
             )  # masked
             loss = token_loss.sum() / denominator
             (loss * self.world_size * loss_multiplier(self.loss_scale)).backward()
+            if not self.counts_rows:  # the group's first rank adds them
+                continue
             with torch.no_grad():
                 # Clipped where the clipped branch is the larger loss (its gradient is zero).
                 unclipped = self.value_loss(values, micro.old_values, micro.returns, mask, 0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -29,13 +30,7 @@ from trainer.rank_local_load import (
     meta_causal_lm,
     meta_lora,
 )
-from trainer.sequence_parallel import (
-    SequenceParallel,
-    gather_positions,
-    merge_slices,
-    prepare_model,
-    shard_input,
-)
+from trainer.sequence_parallel import SequenceParallel, prepare_model, run_decoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,30 +73,14 @@ class LogProbModel(nn.Module):
         if self.routing is not None:
             routing = inputs.routing
             self.routing.replay = None if routing is None else routing.flatten(0, 1).long()
-        sp = self.sequence_parallel
-        if sp is None:
-            hidden = self.model.get_decoder()(
-                input_ids=inputs.input_ids,
-                attention_mask=inputs.attention_mask,
-                position_ids=inputs.position_ids,
-                use_cache=False,
-            ).last_hidden_state
-            scored = self._score(inputs.target_hidden(hidden), inputs.targets, temperature)
-            return inputs.unpack(scored[0]), inputs.unpack(scored[1])
-        shard = shard_input(inputs, sp.rank, sp.size)
-        hidden = self.model.get_decoder()(
-            input_ids=shard.input_ids,
-            attention_mask=shard.attention_mask,
-            position_ids=shard.position_ids,
-            use_cache=False,
-            sequence_parallel=sp,  # to `ulysses_attention`
-        ).last_hidden_state
-        scored = self._score(hidden, shard.targets, temperature)
-        logprob, entropy = (merge_slices(gather_positions(x, sp), inputs) for x in scored)
+        score = functools.partial(self._score, temperature=temperature)
+        logprob, entropy = run_decoder(
+            self.model.get_decoder(), inputs, self.sequence_parallel, score
+        )
         return logprob, entropy
 
     def _score(
-        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+        self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob, entropy) of `targets` from the decoder's outputs `hidden` at the
         positions that score them (their shape and a hidden size), 0 at IGNORE."""

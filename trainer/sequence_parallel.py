@@ -23,6 +23,7 @@ the same micro-batches (`trainer.ranks.micro_batches` deals rows to the data-par
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,40 @@ def merge_slices(values: Tensor, inputs: ModelInput) -> Tensor:
     """Per-position values of the padded rows [R, W] (every rank's slice, in rank order) ->
     the micro-batch's [B, T-1] (`ModelInput.unpack`)."""
     return inputs.unpack(values[:, : inputs.targets.shape[1]])
+
+
+# What a model computes from the decoder's outputs at the positions that score a target: the
+# outputs [..., d] and the targets [...] (IGNORE where a position scores nothing) -> values of
+# the targets' shape (log-probs and entropy; a critic's values).
+PerTarget = Callable[[Tensor, Tensor], tuple[Tensor, ...]]
+
+
+def run_decoder(
+    decoder: nn.Module, inputs: ModelInput, sp: SequenceParallel | None, per_target: PerTarget
+) -> tuple[Tensor, ...]:
+    """`per_target` of `decoder`'s outputs over the micro-batch `inputs` was built from, each
+    value [B, T-1] of its padded layout. With `sp`, the decoder and `per_target` run on this
+    rank's chunk of every packed row, and every rank of the group gets the whole micro-batch's
+    values (`gather_positions`: the backward keeps this rank's slice of the gradient)."""
+    if sp is None:
+        hidden = decoder(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        values = per_target(inputs.target_hidden(hidden), inputs.targets)
+        return tuple(inputs.unpack(value) for value in values)
+    shard = shard_input(inputs, sp.rank, sp.size)
+    hidden = decoder(
+        input_ids=shard.input_ids,
+        attention_mask=shard.attention_mask,
+        position_ids=shard.position_ids,
+        use_cache=False,
+        sequence_parallel=sp,  # to `ulysses_attention`
+    ).last_hidden_state
+    values = per_target(hidden, shard.targets)
+    return tuple(merge_slices(gather_positions(value, sp), inputs) for value in values)
 
 
 # Layouts around the all-to-all, which sends chunk j of dimension 0 to rank j and receives

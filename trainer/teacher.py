@@ -17,6 +17,7 @@ from rl.config import Config, ModelConfig
 from rl.types import Batch
 from trainer.fsdp import load_sharded, reshard, storage_device
 from trainer.ranks import gather_rows, init_rank, micro_batches
+from trainer.sequence_parallel import join
 
 HOST = torch.device("cpu")
 
@@ -37,10 +38,14 @@ class TeacherScorer:
         assert cfg.teacher.enabled, "a teacher rank without teacher.path"
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device, mesh = init_rank(rank, world_size, master_addr, master_port, cfg.trainer)
-        # The policy's compute dtype and the trainer's sharding, micro-batching and kernel
-        # settings; no LoRA, nothing frozen by pattern: the whole model is frozen.
+        sp = join(self.device.type, world_size, cfg.trainer.sequence_parallel)
+        # Under sequence parallelism a group's ranks hold the same log-probs; the first counts them.
+        self.counts_rows = sp is None or sp.counts_rows
+        # The policy's compute dtype and the trainer's sharding, micro-batching, sequence
+        # parallelism and kernel settings; no LoRA, nothing frozen by pattern: the whole model
+        # is frozen.
         model = ModelConfig(path=cfg.teacher.path, dtype=cfg.model.dtype)
-        self.model = load_sharded(model, cfg.trainer, mesh, trainable=False)
+        self.model = load_sharded(model, cfg.trainer, mesh, trainable=False, sequence_parallel=sp)
         # Under FSDP2's CPU offload the shards live in host memory already and stay there.
         self._moves_shards = (
             self.device.type == "cuda" and storage_device(cfg.trainer, mesh) != "cpu"
@@ -62,7 +67,7 @@ class TeacherScorer:
             batch, self.rank, self.world_size, self.cfg.trainer, self.device
         ):
             logprob = self.model(inputs, temperature)[0]  # dummies run too: collectives
-            if rows is not None:
+            if rows is not None and self.counts_rows:
                 pieces.append((rows, logprob))
         reshard(self.model)  # no backward follows to free the gathered parameters
         return gather_rows(pieces, batch, self.device)

@@ -223,8 +223,6 @@ def _check_sequence_parallel(cfg: Config, path: Path | str) -> None:
         "trainer.packing=false (it splits packed rows)": not trainer.packing,
         "trainer.share_prompts": trainer.share_prompts,
         "trainer.compile": trainer.compile,
-        "a critic (algorithm.advantage=" + cfg.algorithm.advantage + ")": needs_critic(cfg),
-        "a teacher (teacher.path)": cfg.teacher.enabled,
         "model.routing_replay (mixture of experts)": cfg.model.routing_replay,
     }
     for what, present in unsupported.items():
@@ -232,6 +230,19 @@ def _check_sequence_parallel(cfg: Config, path: Path | str) -> None:
             raise ConfigError(
                 f"{path}: trainer.sequence_parallel={sp} does not run with {what}; "
                 "set trainer.sequence_parallel=1 or change that"
+            )
+    # The critic and the teacher run sequence-parallel as the policy does, in groups of their
+    # own ranks.
+    ranks = {}
+    if needs_critic(cfg):
+        ranks["critic.num_workers"] = cfg.critic_world_size()
+    if cfg.teacher.enabled:
+        ranks["teacher.num_workers"] = cfg.teacher_world_size()
+    for key, num_ranks in ranks.items():
+        if num_ranks % sp:
+            raise ConfigError(
+                f"{path}: trainer.sequence_parallel={sp} must divide {key} (its ranks: "
+                f"{num_ranks}): they form groups of that many, as the policy's do"
             )
 
 

@@ -201,6 +201,7 @@ def test_the_ranks_of_a_group_run_the_same_micro_batches_and_the_groups_split_th
 
 
 RECIPE = REPO / "recipes/grpo_addition_cpu.yaml"
+SP2 = ["trainer.sequence_parallel=2", "trainer.packing=true"]
 
 
 @pytest.mark.parametrize(
@@ -214,8 +215,12 @@ RECIPE = REPO / "recipes/grpo_addition_cpu.yaml"
             r"does not run with trainer.compile",
         ),
         (
-            ["trainer.sequence_parallel=2", "trainer.packing=true", "algorithm.advantage=gae"],
-            r"does not run with a critic",
+            [*SP2, "algorithm.advantage=gae", "critic.num_workers=1"],
+            r"sequence_parallel=2 must divide critic.num_workers \(its ranks: 1\)",
+        ),
+        (
+            [*SP2, "teacher.path=/teacher", "algorithm.distill_coef=1", "teacher.num_workers=3"],
+            r"sequence_parallel=2 must divide teacher.num_workers \(its ranks: 3\)",
         ),
     ],
 )
@@ -224,6 +229,13 @@ def test_the_recipe_checks_refuse_what_sequence_parallelism_does_not_run_with(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(RECIPE, overrides)
+
+
+def test_a_critic_and_a_teacher_run_sequence_parallel_on_ranks_of_their_own() -> None:
+    cfg = load_config(
+        RECIPE, [*SP2, "algorithm.advantage=gae", "teacher.path=/t", "algorithm.distill_coef=1"]
+    )
+    assert (cfg.critic_world_size(), cfg.teacher_world_size()) == (2, 2)
 
 
 def test_the_sequences_of_a_step_split_over_the_data_parallel_ranks_only() -> None:
