@@ -19,6 +19,10 @@ Parts, in the order they run (each prints its table when done, so a run cut shor
    from the config, no hub), one rank of FSDP2, bf16 compute over fp32 master weights,
    activation checkpointing, samples of a quarter to all of 2K or 8K tokens packed into
    rows, with and without trainer.compile (the compiled rows last: they pay the compile).
+5. attention: packed rows' attention (`kernels.attention.packed_attention`: variable-length
+   flash attention on CUDA in bf16) at Qwen2.5-7B's heads over rows of several samples,
+   forward and backward, against each sample's own fp32 SDPA (correctness) and against SDPA
+   with the [width, width] packed-row mask transformers would build (time, peak memory).
 
 Train steps report s/step, trained tokens/s, MFU (rl.observe.flops: 6N plus attention FLOPs
 per trained token, against the device's dense bf16 peak; LoRA counted the same way), peak
@@ -59,6 +63,7 @@ from rl.config import Config
 from rl.observe.flops import peak_flops, train_flops
 from rl.types import Batch
 from trainer.policy import PolicyTrainer
+from trainer.ranks import to_device
 
 SHAPES = {
     # Qwen2.5-0.5B's and Qwen2.5-1.5B's configs.
@@ -71,7 +76,7 @@ SHAPES = {
     "tiny-wide": dict(vocab_size=640, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
 }  # fmt: skip
-PARTS = ("head", "sync", "lora", "trainer")
+PARTS = ("head", "sync", "lora", "trainer", "attention")
 LORA_RANK = 32
 
 
@@ -88,6 +93,8 @@ class Sizes:
         self.step_tokens = 32768  # real tokens per train step, about
         self.micro_batch_tokens = 16384  # packed positions per micro-batch
         self.sync_shape, self.bucket_mb = "7b", 1024.0
+        # Packed rows for the attention part: (rows, sample lengths of a row)
+        self.attention_rows = (2, [16384, 8192, 4096, 2048, 2048])
         self.iters, self.warmup, self.steps = 3, 1, 2
         if tiny:
             self.heads = {"0.5b": (64, 512), "7b": (96, 1000)}
@@ -96,6 +103,7 @@ class Sizes:
             self.seq_lens = {"2K": 32, "8K": 64}
             self.step_tokens, self.micro_batch_tokens = 256, 128
             self.sync_shape, self.bucket_mb = "tiny", 0.02
+            self.attention_rows = (2, [16, 8, 5, 3])
             self.iters, self.warmup, self.steps = 1, 0, 1
 
 
@@ -193,6 +201,84 @@ def head_part(sizes: Sizes, device: str) -> str:
         lines.append(
             f"| {name}: {d} x {v} | {fused_ms:.2f} | {matmuls_ms:.2f} "
             f"| {fused_ms / matmuls_ms:.2f} | {gib:.2f} | {tflops:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def attention_part(sizes: Sizes, device: str) -> str:
+    """Packed rows' attention at Qwen2.5-7B's heads (28 query, 4 key/value, 128 wide)."""
+    from kernels.attention import Segments, packed_attention
+
+    num_rows, row = sizes.attention_rows
+    width, heads, kv_heads, dim = sum(row), 28, 4, 128
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (
+        torch.randn(num_rows, h, width, dim, generator=gen, device=device, dtype=dtype)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    upstream = torch.randn(num_rows, width, heads, dim, generator=gen, device=device, dtype=dtype)
+    segments = to_device(Segments.of_rows([row] * num_rows, width), torch.device(device))
+    positions = torch.arange(width, device=device)
+    sample = torch.repeat_interleave(
+        torch.arange(len(row), device=device), torch.tensor(row, device=device)
+    )
+    mask = (sample[:, None] == sample[None, :]) & (positions[None, :] <= positions[:, None])
+    mask = mask.expand(num_rows, 1, width, width)
+
+    def run(attend: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, list, float, float]:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        begin = time.perf_counter()
+        out = attend(*leaves)
+        (out.float() * upstream).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - begin
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else math.nan
+        return out.detach(), [t.grad for t in leaves], seconds, peak
+
+    def packed(q, k, v):
+        return packed_attention(module, q, k, v, None, segments=segments)[0]
+
+    def masked(q, k, v):
+        groups = heads // kv_heads
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2)
+
+    def per_sample(q, k, v):  # the oracle: each sample alone, fp32
+        groups, outs, start = heads // kv_heads, [], 0
+        for n in row:
+            part = [t[:, :, start : start + n].float() for t in (q, k, v)]
+            part[1:] = [t.repeat_interleave(groups, dim=1) for t in part[1:]]
+            outs.append(torch.nn.functional.scaled_dot_product_attention(*part, is_causal=True))
+            start += n
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    for attend in (packed, masked):  # warm-up
+        run(attend)
+    expected, expected_grads, _, _ = run(per_sample)
+    lines = [
+        f"{dtype}, {num_rows} rows of {width:,} positions, samples {row} each, 28 query and "
+        f"4 key/value heads of 128; forward + backward; {device_name()}",
+        "",
+        "| attention | ms | peak GiB | max abs error of the output, of the grads vs fp32 |",
+        "|---|---:|---:|---|",
+    ]
+    for name, attend in (("packed_attention", packed), ("SDPA with the packed mask", masked)):
+        out, grads, seconds, peak = run(attend)
+        error = (out.float() - expected).abs().max().item()
+        grad_error = max(
+            (g.float() - e.float()).abs().max().item()
+            for g, e in zip(grads, expected_grads, strict=True)
+        )
+        lines.append(
+            f"| {name} | {1e3 * seconds:.1f} | {peak:.2f} | {error:.2e}, {grad_error:.2e} |"
         )
     return "\n".join(lines)
 
@@ -369,6 +455,8 @@ def main() -> None:
                 runs = runs[: len(sizes.models) + 1]
                 runs[-1] = (*runs[-1][:2], runs[-1][2][:1])
             section("4. Trainer steps", lambda: train_table(runs))
+        if "attention" in parts:
+            section("5. Packed rows' attention", lambda: attention_part(sizes, device))
 
 
 if __name__ == "__main__":

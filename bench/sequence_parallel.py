@@ -3,6 +3,7 @@ parallelism (trainer.sequence_parallel) against without, and the longest sample 
 within a fixed memory budget (issue 49).
 
     .venv/bin/python bench/sequence_parallel.py [--length 16384] [--budget-mib 400] [--step 1024] [--no-search]
+    .venv/bin/python bench/sequence_parallel.py --packed 8 --no-search
 
 A random model of the demo's shape (recipes/grpo_addition_cpu.yaml's `base`: Qwen2, 2 layers,
 hidden 128, 4 heads, 2 key/value heads, MLP 1024, the byte-level vocabulary) trains on one
@@ -23,6 +24,10 @@ rank processes. Per rank, two measures of the memory the step adds:
   over its resident memory then (after freed heap memory was handed back with malloc_trim):
   what the kernel sees, allocator caching and the communication library's buffers included.
 The reported figure of a run is its larger rank's.
+
+With `--packed K` the step's `--length` tokens are one sample of half of them and K samples
+sharing the other half: two packed rows as wide as the long sample, the second holding K
+samples (packed rows attend within each sample: `kernels.attention.packed_attention`).
 
 The budget search (`--budget-mib`): for each degree, the longest sample (a multiple of `--step`
 tokens) whose measured `allocated` peak fits the budget: the longest length measured to fit,
@@ -71,9 +76,9 @@ def write_model(directory: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def trainer_config(model_dir: Path, sequence_parallel: int) -> Config:
-    """Two ranks of one thread each, whole packed rows of one sample, the GRPO loss without a
-    reference model (no KL term: the policy alone)."""
+def trainer_config(model_dir: Path, sequence_parallel: int, num_samples: int = 1) -> Config:
+    """Two ranks of one thread each, a micro-batch of the step's `num_samples` samples packed,
+    the GRPO loss without a reference model (no KL term: the policy alone)."""
     return Config.model_validate(
         {
             "model": {"path": str(model_dir)},
@@ -81,7 +86,7 @@ def trainer_config(model_dir: Path, sequence_parallel: int) -> Config:
                 "num_workers": 2,
                 "num_threads": 1,
                 "packing": True,
-                "micro_batch_size": 1,
+                "micro_batch_size": num_samples,
                 "sequence_parallel": sequence_parallel,
             },
             "algorithm": {"kl_coef": 0.0},
@@ -90,13 +95,27 @@ def trainer_config(model_dir: Path, sequence_parallel: int) -> Config:
     )
 
 
-def one_sample(length: int, vocab_size: int) -> Batch:
-    """One random sequence of `length` tokens: PROMPT_TOKENS of prompt, the rest response with
-    advantage 1; old log-probs those of a uniform policy (a random model's are near it)."""
+def sample_lengths(length: int, packed: int) -> list[int]:
+    """`length` tokens as one sample, or (`packed` K > 0) one of half of them and K sharing
+    the other half."""
+    if not packed:
+        return [length]
+    half = length // 2
+    return [half] + [half // packed + (i < half % packed) for i in range(packed)]
+
+
+def samples(lengths: list[int], vocab_size: int) -> Batch:
+    """Random sequences of `lengths` tokens, right-padded: up to PROMPT_TOKENS of prompt (half
+    of a shorter one), the rest response with advantage 1; old log-probs those of a uniform
+    policy (a random model's are near it)."""
     gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, vocab_size, (1, length), generator=gen)
-    attention_mask = torch.ones_like(input_ids)
-    loss_mask = (torch.arange(1, length) >= PROMPT_TOKENS).float()[None]
+    width = max(lengths)
+    attention_mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    input_ids = torch.randint(0, vocab_size, (len(lengths), width), generator=gen)
+    input_ids *= attention_mask
+    prompts = torch.tensor([min(PROMPT_TOKENS, n // 2) for n in lengths])[:, None]
+    steps = torch.arange(1, width)
+    loss_mask = ((steps >= prompts) & attention_mask[:, 1:].bool()).float()
     uniform = loss_mask * -math.log(vocab_size)
     return Batch(input_ids, attention_mask, loss_mask, uniform, uniform.clone(), loss_mask.clone())
 
@@ -127,11 +146,13 @@ def _return_freed_heap() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _rank_main(rank: int, model_dir: Path, sp: int, length: int, port: int, out: Path) -> None:
+def _rank_main(
+    rank: int, model_dir: Path, sp: int, lengths: list[int], port: int, out: Path
+) -> None:
     transformers.utils.logging.disable_progress_bar()
-    cfg = trainer_config(model_dir, sp)
+    cfg = trainer_config(model_dir, sp, len(lengths))
     trainer = PolicyTrainer(cfg, Objective.from_config(cfg), rank, 2, "127.0.0.1", port)
-    batch = one_sample(length, trainer.policy.model.config.vocab_size)
+    batch = samples(lengths, trainer.policy.model.config.vocab_size)
     _return_freed_heap()
     dist.barrier()
     before = rss_bytes()
@@ -144,12 +165,14 @@ def _rank_main(rank: int, model_dir: Path, sp: int, length: int, port: int, out:
     trainer.close()
 
 
-def measure(model_dir: Path, sp: int, length: int) -> dict:
-    """One step of a `length`-token sample at sequence_parallel `sp` in fresh ranks -> the
-    larger rank's `allocated` and `resident` peaks (bytes), each rank's, and the step's loss."""
+def measure(model_dir: Path, sp: int, length: int, packed: int = 0) -> dict:
+    """One step of `length` tokens (`sample_lengths`) at sequence_parallel `sp` in fresh
+    ranks -> the larger rank's `allocated` and `resident` peaks (bytes), each rank's, and the
+    step's loss."""
+    lengths = sample_lengths(length, packed)
     with tempfile.TemporaryDirectory(prefix="sp-bench-") as tmp:
         out = Path(tmp)
-        mp.spawn(_rank_main, args=(model_dir, sp, length, free_port(), out), nprocs=2)
+        mp.spawn(_rank_main, args=(model_dir, sp, lengths, free_port(), out), nprocs=2)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     result = {
         "allocated": max(r["allocated"] for r in ranks),
@@ -207,14 +230,18 @@ def main() -> None:
     )
     parser.add_argument("--step", type=int, default=1024, help="granularity of the search")
     parser.add_argument("--no-search", action="store_true", help="compare at --length only")
+    parser.add_argument(
+        "--packed", type=int, default=0, help="K: half the tokens in K samples packed in a row"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sp-bench-model-") as tmp:
         model_dir = Path(tmp) / "model"
         num_params = write_model(model_dir)
         print(f"model: {num_params:,} parameters", flush=True)
-        sp1, sp2 = (measure(model_dir, sp, args.length) for sp in (1, 2))
+        sp1, sp2 = (measure(model_dir, sp, args.length, args.packed) for sp in (1, 2))
         report = {
             "length": args.length,
+            "samples": sample_lengths(args.length, args.packed),
             "num_parameters": num_params,
             "sp1": sp1,
             "sp2": sp2,

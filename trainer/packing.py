@@ -1,11 +1,13 @@
 """The decoder's input for one micro-batch: the padded rows as they are, or the samples packed.
 
 Packing lays the micro-batch's samples end to end in a few rows (first fit, longest first, in
-rows as wide as the mini-batch's longest sample), with positions restarting at 0 for every sample and no
-attention mask: transformers then reads the sample boundaries from the positions and keeps each
-token's attention inside its own sample (`masking_utils.find_packed_sequence_indices`). No
-position is spent on padding but the ends of rows, and a row's attention costs no more than a
-padded row's, since no row is wider than the padded layout.
+rows as wide as the mini-batch's longest sample), with positions restarting at 0 for every
+sample and no attention mask: the rows' `Segments` (each sample, and a row's tail) keep each
+token's attention inside its own sample (`kernels.attention.packed_attention`; a model with
+sliding-window layers reads the boundaries from the positions instead, transformers'
+`find_packed_sequence_indices`). No position is spent on padding but the ends of rows, and a
+row's attention costs no more than a padded row's, since no row is wider than the padded
+layout.
 
 Either way the outputs come back in the padded [B, T-1] layout of the micro-batch (`unpack`),
 where the losses are computed: per-token results are the same whichever layout was run. A
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention import Segments
 from rl.expert_routing import NATURAL
 from rl.types import Batch
 from trainer.micro_batching import pack_rows
@@ -44,6 +47,8 @@ class ModelInput:
     # [R, C] bool, True at the positions that hold a sample's token (not padding): what a
     # mixture of experts' router statistics count.
     real: torch.Tensor | None = None
+    # Packed rows: the runs attention keeps to (each sample, each row's tail).
+    segments: Segments | None = None
 
     def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The decoder's output [R, C, d] at the positions that score `targets`, in their
@@ -91,8 +96,10 @@ def packed_input(micro: Batch, width: int = 0) -> ModelInput:
     routing = None
     if micro.routing is not None:
         routing = micro.routing.new_full((num_rows, width, *micro.routing.shape[2:]), NATURAL)
+    runs = []
     for row, samples in enumerate(layout):
         offset = 0
+        runs.append([lengths[sample] for sample in samples])
         for sample in samples:
             n = lengths[sample]
             tokens = micro.input_ids[sample, :n]
@@ -107,5 +114,12 @@ def packed_input(micro: Batch, width: int = 0) -> ModelInput:
         real[row, :offset] = True
         position_ids[row, offset:] = torch.arange(width - offset)
     return ModelInput(
-        input_ids, None, position_ids, targets, unpack_index, routing=routing, real=real
+        input_ids,
+        None,
+        position_ids,
+        targets,
+        unpack_index,
+        routing=routing,
+        real=real,
+        segments=Segments.of_rows(runs, width),
     )

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from trainer.micro_batching import num_micro_batches, plan_micro_batches, rank_r
 from trainer.offload import DeviceResidency
 from trainer.packing import ModelInput, packed_input, padded_input
 from trainer.prompt_sharing import shared_prompt_input
+from trainer.sequence_parallel import padded_width
+
+T = TypeVar("T")
 
 
 def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
@@ -107,14 +110,21 @@ def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor
     return tensor.to(device)
 
 
-def to_device(value: Batch | ModelInput, device: torch.device) -> Batch | ModelInput:
-    """A copy of `value` with every tensor on `device` (`tensor_to_device`; absent optional
-    fields stay None)."""
-    moved = {
-        f.name: None if (t := getattr(value, f.name)) is None else tensor_to_device(t, device)
-        for f in dataclasses.fields(value)
-    }
-    return type(value)(**moved)
+def to_device(value: T, device: torch.device) -> T:
+    """A copy of the dataclass `value` (a `Batch`, a `ModelInput`) with every tensor on
+    `device` (`tensor_to_device`), those in tuples and in the dataclasses it holds too; the
+    rest as is."""
+
+    def moved(item: object) -> object:
+        if isinstance(item, torch.Tensor):
+            return tensor_to_device(item, device)
+        if isinstance(item, tuple):
+            return tuple(moved(part) for part in item)
+        if dataclasses.is_dataclass(item):
+            return to_device(item, device)
+        return item
+
+    return type(value)(**{f.name: moved(getattr(value, f.name)) for f in dataclasses.fields(value)})
 
 
 def micro_batches(
@@ -144,7 +154,9 @@ def micro_batches(
     plan = plan_micro_batches(
         lengths, world_size // sp, cfg.micro_batch_size, cfg.micro_batch_tokens * sp, cfg.packing
     )
-    width = max(lengths)  # of packed rows: the mini-batch's longest sample
+    # Of packed rows: the mini-batch's longest sample, a multiple of a sequence-parallel
+    # group's size (each rank holds an equal chunk of every row).
+    width = padded_width(max(lengths), sp)
 
     def build(micro: Batch) -> ModelInput:
         if cfg.share_prompts:

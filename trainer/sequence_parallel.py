@@ -1,13 +1,14 @@
 """Ulysses sequence parallelism (DeepSpeed-Ulysses): a group of N trainer ranks runs every
-packed row together, each rank holding 1/N of the row's positions (contiguous chunks, the row
-padded to a multiple of N).
+packed row together, each rank holding 1/N of the row's positions (contiguous chunks, rows
+packed as wide as a multiple of N).
 
 The decoder runs on the rank's positions. Attention needs every position of a row: around it
 an all-to-all exchanges positions for heads (each rank then holds the whole row for H/N of the
 heads; GQA's key/value heads are repeated first where there are fewer than N, so that each
 rank gets whole heads), and a second all-to-all exchanges them back. Rotary embeddings come
-from the positions the rank holds; the attention mask is the whole row's, built from the
-whole row's positions as transformers builds it for a packed row (`row_mask`).
+from the positions the rank holds; attention over the whole rows keeps to their samples as
+without sequence parallelism (`kernels.attention.packed_attention`, no mask: the rows'
+`Segments`).
 
 The fused log-prob kernel scores the rank's positions; the per-token results are all-gathered
 into the micro-batch's [B, T-1] layout, where every rank of the group computes the same loss
@@ -32,16 +33,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    and_masks,
-    causal_mask_function,
-    find_packed_sequence_indices,
-    packed_sequence_mask_function,
-    sdpa_mask,
-)
 
-from kernels.attention import attention
+from kernels.attention import Segments, packed_attention
 from rl.expert_routing import moe_routers
 from trainer.packing import IGNORE, ModelInput
 
@@ -107,16 +100,15 @@ def prepare_model(model: nn.Module, size: int, source: str) -> None:
 
 @dataclass
 class SequenceShard:
-    """One rank's part of a packed micro-batch (`shard_input`): [R, W/N] of the rows padded
-    to W positions, and the whole rows' attention mask."""
+    """One rank's part of a packed micro-batch (`shard_input`): [R, W/N] of its rows, W
+    positions wide, and the whole rows' segments."""
 
     input_ids: Tensor
     position_ids: Tensor
     # The token each position scores (position t: the row's token t + 1); IGNORE where a
-    # position scores nothing, the padding included.
+    # position scores nothing (a row's tail, its last position).
     targets: Tensor
-    # [R, 1, W, W] boolean (True: attend), or None: plain causal (one sequence a row).
-    attention_mask: Tensor | None
+    segments: Segments
 
 
 def padded_width(width: int, size: int) -> int:
@@ -125,47 +117,23 @@ def padded_width(width: int, size: int) -> int:
 
 
 def shard_input(inputs: ModelInput, rank: int, size: int) -> SequenceShard:
-    """Chunk `rank` of `size` of every packed row of `inputs` (`trainer.packing.packed_input`).
-
-    The padding continues the row's last sample: its positions count on from the last one, so
-    no real position attends to it (it comes later) and a row of one sample keeps the plain
-    causal mask. Targets are the row's [R, C-1] with IGNORE appended for the last position and
-    the padding.
-    """
-    assert inputs.attention_mask is None and inputs.hidden_index is None, "packed rows only"
+    """Chunk `rank` of `size` of every packed row of `inputs` (`trainer.packing.packed_input`,
+    rows `padded_width` wide: `trainer.ranks.micro_batches` packs them so). Targets are the
+    row's [R, W-1] with IGNORE appended for the last position."""
+    assert inputs.segments is not None and inputs.hidden_index is None, "packed rows only"
     width = inputs.input_ids.shape[1]
-    pad = padded_width(width, size) - width
-    chunk = (width + pad) // size
-    ids = nn.functional.pad(inputs.input_ids, (0, pad))
-    steps = torch.arange(1, pad + 1, device=inputs.position_ids.device)
-    positions = torch.cat([inputs.position_ids, inputs.position_ids[:, -1:] + steps], dim=1)
-    targets = nn.functional.pad(inputs.targets, (0, pad + 1), value=IGNORE)
+    assert width % size == 0, "rows packed to a multiple of the group's size"
+    chunk = width // size
+    targets = nn.functional.pad(inputs.targets, (0, 1), value=IGNORE)
     mine = slice(rank * chunk, (rank + 1) * chunk)
-    return SequenceShard(ids[:, mine], positions[:, mine], targets[:, mine], row_mask(positions))
-
-
-def row_mask(position_ids: Tensor) -> Tensor | None:
-    """The attention mask transformers' `create_causal_mask` builds for rows of these
-    positions, without a padding mask (packed rows): causal within each run of consecutive
-    positions, [R, 1, W, W] boolean; None where every row is one run (plain causal)."""
-    packed = find_packed_sequence_indices(position_ids)
-    mask_function = causal_mask_function
-    if packed is not None:
-        mask_function = and_masks(causal_mask_function, packed_sequence_mask_function(packed))
-    rows, width = position_ids.shape
-    return sdpa_mask(
-        batch_size=rows,
-        q_length=width,
-        kv_length=width,
-        mask_function=mask_function,
-        allow_is_causal_skip=packed is None,
-        device=position_ids.device,
+    return SequenceShard(
+        inputs.input_ids[:, mine], inputs.position_ids[:, mine], targets[:, mine], inputs.segments
     )
 
 
 def merge_slices(values: Tensor, inputs: ModelInput) -> Tensor:
-    """Per-position values of the padded rows [R, W] (every rank's slice, in rank order) ->
-    the micro-batch's [B, T-1] (`ModelInput.unpack`)."""
+    """Per-position values of the rows [R, W] (every rank's slice, in rank order) -> the
+    micro-batch's [B, T-1] (`ModelInput.unpack`)."""
     return inputs.unpack(values[:, : inputs.targets.shape[1]])
 
 
@@ -188,16 +156,17 @@ def run_decoder(
             attention_mask=inputs.attention_mask,
             position_ids=inputs.position_ids,
             use_cache=False,
+            segments=inputs.segments,  # packed rows: to `kernels.attention.packed_attention`
         ).last_hidden_state
         values = per_target(inputs.target_hidden(hidden), inputs.targets)
         return tuple(inputs.unpack(value) for value in values)
     shard = shard_input(inputs, sp.rank, sp.size)
     hidden = decoder(
         input_ids=shard.input_ids,
-        attention_mask=shard.attention_mask,
         position_ids=shard.position_ids,
         use_cache=False,
-        sequence_parallel=sp,  # to `ulysses_attention`
+        segments=shard.segments,  # to `ulysses_attention`, with:
+        sequence_parallel=sp,
     ).last_hidden_state
     values = per_target(hidden, shard.targets)
     return tuple(merge_slices(gather_positions(value, sp), inputs) for value in values)
@@ -285,18 +254,19 @@ def ulysses_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
+    attention_mask: None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
     *,
     sequence_parallel: SequenceParallel,
+    segments: Segments,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """transformers' attention signature over this rank's positions: query [B, H, L, D],
-    key/value [B, Hkv, L, D], `attention_mask` the whole rows' ([B, 1, N*L, N*L] or None:
-    causal) -> ([B, L, H, D], None). Runs `kernels.attention.attention` on the whole rows of
-    H/N heads between two all-to-alls."""
+    key/value [B, Hkv, L, D], no mask (`segments`: the whole rows') -> ([B, L, H, D], None).
+    Runs `kernels.attention.packed_attention` on the whole rows of H/N heads between two
+    all-to-alls."""
     sp = sequence_parallel
     repeats = kv_repeats(key.shape[1], sp.size)
     key, value = repeat_kv(key, repeats), repeat_kv(value, repeats)
@@ -305,17 +275,9 @@ def ulysses_attention(
         for states in (query, key, value)
     )
     share = _HeadShare(module, query.shape[1] // key.shape[1])
-    out, _ = attention(share, query, key, value, attention_mask, dropout, scaling, is_causal)
+    out, _ = packed_attention(share, query, key, value, None, dropout, scaling, segments=segments)
     sent = _AllToAll.apply(positions_to_send(out, sp.size), sp.group)
     return heads_from_received(sent), None
 
 
-def _no_local_mask(*args: object, **kwargs: object) -> None:
-    """The mask the decoder would build from one rank's positions is not the rows': under
-    sequence parallelism the rows' own comes in as a 4D mask (used as given) or not at all
-    (plain causal), and then this says so."""
-    return None
-
-
 AttentionInterface.register(SP_ATTENTION, ulysses_attention)
-AttentionMaskInterface.register(SP_ATTENTION, _no_local_mask)

@@ -201,10 +201,9 @@ class CostModel:
         running the sample alone: the state (16 bytes a parameter, sharded over `gpus`), every
         layer's input for its 1/N of the positions and one layer recomputed (two norms, q, the
         attention output, an MLP's four, k and v with repeated heads), the all-to-all's sent
-        and received buffers of one layer, and the packed rows' boolean mask, length x length
-        (rows as wide as the longest sample), with the recomputed layer's bf16 copy of it,
-        which does not shrink with N. Left out: the layers FSDP2 has gathered, the log-prob
-        kernel's workspace, allocator slack."""
+        and received buffers of one layer (packed rows attend without a mask:
+        `kernels.attention.packed_attention`). Left out: the layers FSDP2 has gathered, the
+        log-prob kernel's workspace, allocator slack."""
         m, n = self.model, self.sequence_parallel
         if m.intermediate is None or m.active_params is not None:
             raise ValueError(f"{m.name}: a trainer rank's memory is modelled for dense models")
@@ -214,8 +213,7 @@ class CostModel:
         layer = 5 * m.hidden + 2 * kv + 4 * m.intermediate
         activations = 2 * positions * (m.layers * m.hidden + layer)
         exchange = 2 * positions * (m.heads * m.head_dim + 2 * kv) * 2 if n > 1 else 0
-        mask = width * width * (1 + 2)
-        return 16 * m.params / gpus + activations + exchange + mask
+        return 16 * m.params / gpus + activations + exchange
 
     # -- weights and memory -------------------------------------------------------------
 

@@ -6,14 +6,16 @@ gradients and AdamW's two moments (16 bytes a parameter over W ranks; with LoRA,
 frozen base parameter and 16 an adapter parameter), the frozen reference's shard (4 bytes
 over W; none with LoRA, whose reference is the base), the layers FSDP2 has gathered in the
 compute dtype (the root's embeddings and head, the current layer and the prefetched next),
-the activations a micro-batch saves for backward with its attention mask, the fused log-prob
-kernel's workspace, and on GPUs the weight transport's buffers. With sequence parallelism
+the activations a micro-batch saves for backward (packed rows attend within each sample
+without a mask: `kernels.attention.packed_attention`), the fused log-prob kernel's workspace,
+and on GPUs the weight transport's buffers. With sequence parallelism
 (`trainer.sequence_parallel` N) a rank holds 1/N of its group's micro-batch positions
-(`MicroBatch`), the attention's heads exchanged for positions, and the rows' whole mask. A
+(`MicroBatch`) and the attention's heads exchanged for positions. A
 rollout worker holds its tensor-parallel slice of the weights and the KV cache, which must
 hold at least one sequence of rollout.max_model_len (vLLM refuses to start otherwise). A
 distillation teacher's rank holds its shard of the teacher's fp32 weights, the layers it has
-gathered, one layer's activations of a micro-batch and the kernel's forward workspace. A
+gathered, one layer's activations of its share of a micro-batch and the kernel's forward
+workspace. A
 mixture of experts counts every expert in the parameters, gradients, optimizer state and
 weights (FSDP2 shards the fused expert tensors like any parameter and gathers a layer's
 experts with it: there is no expert parallelism), and a token's activations for its top-k
@@ -327,9 +329,8 @@ class MicroBatch:
     positions: int
     width: int
     sequence_parallel: int
-    # Whether the rows carry a [rows, 1, width, width] boolean mask: packed rows (a row's
-    # samples, or one sample and the row's tail, are runs of their own), or padded rows
-    # beside a longer one. A single unpadded row is plain causal attention.
+    # Whether the rows carry a [rows, 1, width, width] boolean mask: shared-prompt rows
+    # (trainer.share_prompts). Packed and padded rows attend without one.
     masked: bool
 
     @classmethod
@@ -343,7 +344,7 @@ class MicroBatch:
             positions = max(sp * trainer.micro_batch_tokens, width)
         else:
             positions = trainer.micro_batch_size * width
-        return cls(positions, width, sp, trainer.packing or positions > width)
+        return cls(positions, width, sp, trainer.share_prompts)
 
     @property
     def per_rank(self) -> int:
@@ -357,8 +358,7 @@ def trainer_rank(
     """A policy (or critic) rank's peak during a training step, on GPUs or (`on_gpu` False)
     on CPU, where short half-precision attention holds its scores (`kernels.attention`)."""
     trainer = cfg.trainer
-    # Sequence parallelism splits the policy's rows; the critic runs whole ones (checks).
-    sp = trainer.sequence_parallel if role == "trainer rank" else 1
+    sp = trainer.sequence_parallel  # the critic's groups are as the policy's
     if shape.num_heads % sp:
         raise PlanDoesNotFit(
             f"trainer.sequence_parallel={sp} gives each rank 1/{sp} of the attention heads, "
@@ -417,13 +417,13 @@ def _attention_parts(
 
     - Sequence parallelism's all-to-alls: one layer's sent and received q, k and v (heads
       repeated) and output, transient.
-    - The rows' boolean mask, once a forward, and a copy of it each layer saves for its
-      backward: SDPA's additive mask in the compute dtype, or the explicit product's negated
-      boolean one. Neither shrinks with the sequence-parallel degree: every rank attends
-      over whole rows.
+    - Shared-prompt rows' boolean mask, once a forward, and a copy of it each layer saves for
+      its backward: SDPA's additive mask in the compute dtype, or the explicit product's
+      negated boolean one.
     - On CPU, the explicit product that `kernels.attention` runs for half-precision rows of
       at most MAX_EXPLICIT_KEYS positions instead of SDPA: each layer saves its fp32 softmax
-      and the copy of it in the compute dtype that multiplies the values.
+      and the copy of it in the compute dtype that multiplies the values (counted as whole
+      rows': packed samples of similar lengths are gathered, which holds no more).
     """
     from kernels.attention import MAX_EXPLICIT_KEYS  # torch and transformers: not at import
 
@@ -442,9 +442,9 @@ def _attention_parts(
     return parts
 
 
-def teacher_rank(cfg: Config, shape: ModelShape) -> RoleMemory:
-    """A distillation teacher rank's peak while it scores; `shape` is the teacher's. Sharded
-    and micro-batched as the trainer is, over the teacher's own ranks."""
+def teacher_rank(cfg: Config, shape: ModelShape, on_gpu: bool = True) -> RoleMemory:
+    """A distillation teacher rank's peak while it scores; `shape` is the teacher's. Sharded,
+    micro-batched and sequence-parallel as the trainer is, over the teacher's own ranks."""
     trainer = cfg.trainer
     num_shards = {"hybrid": trainer.shard_group_size, "none": 1}.get(
         trainer.sharding, cfg.teacher_world_size()
@@ -453,11 +453,13 @@ def teacher_rank(cfg: Config, shape: ModelShape) -> RoleMemory:
     num_gathered = shape.num_root_params + 2 * shape.num_layer_params
     if trainer.sharding in ("zero2", "none"):
         num_gathered = shape.num_params
-    num_tokens = trainer.micro_batch_tokens or trainer.micro_batch_size * cfg.rollout.max_model_len
+    micro = MicroBatch.largest(cfg, trainer.sequence_parallel)
+    num_tokens = micro.per_rank
     # A forward without backward keeps no layer's activations: the hidden states and the
     # current layer's intermediates (the checkpointed count holds every layer's input).
     elements = (
-        shape.activation_elements_per_token(True) - (shape.num_layers - 1) * shape.hidden_size
+        shape.activation_elements_per_token(True, trainer.sequence_parallel)
+        - (shape.num_layers - 1) * shape.hidden_size
     )
     rows = min(trainer.logprob_chunk_size, num_tokens)
     columns = min(trainer.logprob_vocab_chunk_size, shape.vocab_size)
@@ -466,6 +468,7 @@ def teacher_rank(cfg: Config, shape: ModelShape) -> RoleMemory:
         "gathered": compute * num_gathered,
         "activations": compute * num_tokens * elements,
         "log-prob workspace": 4 * rows * columns * _LOGPROB_WORKSPACE_COPIES,
+        **_attention_parts(micro, shape, compute, 1, on_gpu),
     }
     return RoleMemory("teacher rank", parts)
 
@@ -565,7 +568,7 @@ def check_fits(
     rank of every role shares it). `teacher_shape`: the distillation teacher's, if any."""
     trainer = trainer_rank(cfg, shape, on_gpu=on_gpu)
     critic = trainer_rank(cfg, shape, "critic rank", on_gpu) if needs_critic(cfg) else None
-    teacher = None if teacher_shape is None else teacher_rank(cfg, teacher_shape)
+    teacher = None if teacher_shape is None else teacher_rank(cfg, teacher_shape, on_gpu)
     rollout, cpu_reserve = rollout_rank(cfg, shape)
     lines = [trainer.describe()]
     for role in (critic, teacher):
@@ -647,8 +650,8 @@ def _suggestion(cfg: Config, trainer: RoleMemory) -> str:
         )
     if largest == "attention mask":
         return (
-            "; lower rollout.max_model_len or the micro-batch (the packed rows' mask is as wide "
-            "as the longest sample, squared, whatever trainer.sequence_parallel)"
+            "; set trainer.share_prompts=false (shared-prompt rows carry a mask as wide as the "
+            "row, squared), or lower rollout.max_model_len or the micro-batch"
         )
     if largest in ("params", "grads", "optimizer", "reference"):
         return (
@@ -721,7 +724,7 @@ def longest_sample(
     if not fits(1):
         return 0
     low, high = 1, 2
-    while fits(high):  # the attention mask alone grows as the length squared
+    while fits(high):
         low, high = high, 2 * high
     while high - low > 1:  # fits(low), not fits(high)
         middle = (low + high) // 2

@@ -76,3 +76,13 @@ def test_the_search_starts_from_what_was_measured(monkeypatch) -> None:
 def test_a_budget_below_the_shortest_length_fits_nothing(monkeypatch) -> None:
     _fake_measurements(monkeypatch, lambda n: 100 * MIB + n)
     assert bench.longest_within(None, 2, 50 * MIB, 1024, {})[0] == 0
+
+
+def test_packed_samples_share_half_of_the_tokens_beside_a_sample_of_the_other_half() -> None:
+    assert bench.sample_lengths(16384, 0) == [16384]
+    assert bench.sample_lengths(16384, 8) == [8192] + [1024] * 8
+    assert bench.sample_lengths(100, 3) == [50, 17, 17, 16]
+    batch = bench.samples([6, 3], vocab_size=10)
+    assert batch.attention_mask.tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+    # The response (after the prompt: half of a short sample) is what the loss covers.
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 0, 0, 0]]

@@ -19,6 +19,7 @@ SECTIONS = (
     "2. The gathered transport between two processes",
     "3. A LoRA step (rank 32, every linear module)",
     "4. Trainer steps",
+    "5. Packed rows' attention",
 )
 
 
@@ -117,3 +118,12 @@ def test_trainer_steps_run_every_shape_and_length_and_compiled(sections: dict) -
     }
     assert samples["2K"] > samples["8K"]
     assert re.fullmatch(r"n/a \(CPU\)", rows[0]["host waits/step"])
+
+
+def test_packed_rows_attention_matches_each_sample_alone(sections: dict) -> None:
+    (table,) = sections["5. Packed rows' attention"]
+    assert [row["attention"] for row in table] == ["packed_attention", "SDPA with the packed mask"]
+    for row in table:
+        errors = row["max abs error of the output, of the grads vs fp32"].split(", ")
+        assert all(_number(error) < 1e-4 for error in errors)  # fp32 on CPU
+        assert _number(row["ms"]) > 0

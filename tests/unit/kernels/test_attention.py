@@ -1,4 +1,5 @@
-"""`kernels.attention`: the explicit product equals SDPA, and models load and save with it."""
+"""`kernels.attention`: the explicit product equals SDPA, packed rows attend within their
+segments as under transformers' packed mask, and models load and save with it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import find_packed_sequence_indices, packed_sequence_mask_function
 
-from kernels.attention import ATTENTION, MAX_EXPLICIT_KEYS, attention, uses_explicit_product
+from kernels.attention import (
+    ATTENTION,
+    MAX_EXPLICIT_KEYS,
+    Segments,
+    attention,
+    packed_attention,
+    uses_explicit_product,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 _MODULE = nn.Module()  # what transformers passes: only `training` and the GQA groups are read
@@ -94,6 +103,89 @@ def test_fp32_long_keys_and_gpus_go_to_sdpa() -> None:
     q, k, v = (t.detach().float() for t in (q, k, v))
     out = attention(_MODULE, q, k, v, None, scaling=HEAD_DIM**-0.5)[0]
     torch.testing.assert_close(out, _sdpa_fp32(q, k, v, None), atol=0, rtol=0)
+
+
+# Two packed rows of width 9: samples of 4 and 3 and a tail of 2; one of 9.
+ROWS, WIDTH = [[4, 3], [9]], 9
+
+
+def test_segments_gather_samples_of_similar_lengths_and_scatter_them_back() -> None:
+    segments = Segments.of_rows(ROWS, WIDTH)
+    # Flash attention's runs: the tail of 2 is one of its own.
+    assert segments.starts.tolist() == [0, 4, 7, 9, 18] and segments.longest == 9
+    # Samples of similar lengths gathered together, the longest first: 9 alone (4 < 0.75 x
+    # 9), then 4 and 3 (3 >= 0.75 x 4), 3 padded with its last position.
+    assert [gather.tolist() for gather in segments.gathers] == [
+        [list(range(9, 18))],
+        [[0, 1, 2, 3], [4, 5, 6, 6]],
+    ]
+    # Scattering the gathered samples back gives every sample position its own value and
+    # the tail the extra last slot.
+    flat = torch.arange(18)
+    gathered = [flat[gather].flatten() for gather in segments.gathers]
+    gathered = torch.cat([*gathered, torch.tensor([-1])])
+    assert gathered[segments.scatter].tolist() == [*range(7), -1, -1, *range(9, 18)]
+
+
+def _packed_mask(rows: list[list[int]]) -> torch.Tensor:
+    """[R, 1, W, W] from transformers' own packed-sequence mask function over the rows'
+    restarted positions, a tail a sample of its own (True: attend)."""
+    runs = [[*row, WIDTH - sum(row)] if sum(row) < WIDTH else row for row in rows]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in runs])
+    mask_function = packed_sequence_mask_function(find_packed_sequence_indices(positions))
+    width = positions.shape[1]
+    index = torch.arange(width)
+    same = torch.stack(
+        [mask_function(b, 0, index[:, None], index[None, :]) for b in range(len(rows))]
+    )
+    return (same & (index[None, :] <= index[:, None]))[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_attend_within_their_segments_as_under_the_packed_mask(dtype) -> None:
+    """bf16 rows of 9 take the explicit product, fp32 ones SDPA: both as masked SDPA in fp32."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _qkv(9, 9, batch=len(ROWS)))
+    out = packed_attention(
+        _MODULE, q, k, v, None, scaling=HEAD_DIM**-0.5, segments=Segments.of_rows(ROWS, WIDTH)
+    )[0]
+    expected = _sdpa_fp32(q, k, v, _packed_mask(ROWS))
+    # The tail (row 0's last 2 positions) attends to nothing: 0, which nothing reads.
+    assert not out[0, 7:].any()
+    sample = torch.ones(out.shape[:2], dtype=torch.bool)
+    sample[0, 7:] = False
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out.float()[sample], expected[sample], **tolerance)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    upstream[0, 7:] = 0
+    grads = torch.autograd.grad((out.float() * upstream).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (q, k, v))
+    tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {}
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.float(), want.float(), **tolerance)
+
+
+def test_rows_of_one_sample_each_attend_causally_without_gathering() -> None:
+    segments = Segments.of_rows([[5], [3]], 6)
+    assert segments.gathers == () and segments.scatter is None
+    assert segments.starts.tolist() == [0, 5, 6, 9, 12] and segments.longest == 5
+    q, k, v = (t.detach() for t in _qkv(6, 6, batch=2))
+    torch.testing.assert_close(
+        packed_attention(_MODULE, q, k, v, None, scaling=0.25, segments=segments)[0],
+        attention(_MODULE, q, k, v, None, scaling=0.25)[0],
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_rows_without_segments_attend_as_attention_does() -> None:
+    q, k, v = (t.detach() for t in _qkv(6, 6))
+    mask = _padding_mask([6, 4, 2], 6)
+    torch.testing.assert_close(
+        packed_attention(_MODULE, q, k, v, mask, scaling=HEAD_DIM**-0.5)[0],
+        attention(_MODULE, q, k, v, mask, scaling=HEAD_DIM**-0.5)[0],
+        atol=0,
+        rtol=0,
+    )
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from rl.algorithms.objective import loss_weights, policy_objective
 from rl.config import AlgorithmConfig, TrainerConfig
 from rl.run.batching import build_batch
 from rl.types import Batch, Sample
-from trainer.ranks import micro_batches, scatter_rows
+from trainer.packing import packed_input
+from trainer.ranks import micro_batches, scatter_rows, to_device
 
 CPU = torch.device("cpu")
 MAX_NEW = 12
@@ -112,3 +113,18 @@ def test_the_objective_over_sorted_cut_micro_batches_is_the_full_batch_objective
         lp = _logprobs(micro)
         parts += policy_objective(cfg, lp, torch.zeros_like(lp), micro, MAX_NEW, denominator)[0]
     assert torch.allclose(full, parts, atol=1e-6)
+
+
+def test_every_tensor_of_a_model_input_goes_to_the_device_its_segments_too() -> None:
+    lengths = torch.tensor([5, 2, 3])
+    mask = (torch.arange(5) < lengths[:, None]).long()
+    loss_mask = mask[:, 1:].float()
+    inputs = packed_input(Batch(mask * 7, mask, loss_mask, loss_mask, loss_mask, loss_mask))
+    # The 2- and 3-token samples share a row; 5, 3 and 2 are too far apart to batch together.
+    assert len(inputs.segments.gathers) == 3
+    moved = to_device(inputs, torch.device("meta"))
+    tensors = [moved.input_ids, moved.position_ids, moved.targets, moved.unpack_index]
+    segments = moved.segments
+    tensors += [segments.starts, segments.scatter, *segments.gathers]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert segments.longest == inputs.segments.longest and moved.attention_mask is None

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism without a process group: the split of packed rows over N ranks
-and its inverse, the whole row's mask, the head exchange simulated between N ranks, and what
-the model and the recipe checks refuse."""
+and its inverse, the head exchange simulated between N ranks, and what the model and the
+recipe checks refuse."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2MoeConfig
 from transformers.integrations.sdpa_attention import repeat_kv
-from transformers.masking_utils import create_causal_mask
 
 from rl.config import TrainerConfig
 from rl.config.recipe import ConfigError, load_config
@@ -28,13 +27,12 @@ from trainer.sequence_parallel import (
     positions_to_send,
     prepare_model,
     row_from_received,
-    row_mask,
     shard_input,
 )
 
 REPO = Path(__file__).resolve().parents[3]
-# Ragged samples: the longest (11) sets the rows' width, odd so that N = 2 pads; 1 and 2 are
-# shorter than N = 3 or 4.
+# Ragged samples: the longest (11) sets the rows' width, odd so that N = 2 widens the rows; 1
+# and 2 are shorter than N = 3 or 4.
 LENGTHS = [11, 1, 7, 2, 9, 4, 5, 3]
 
 
@@ -50,10 +48,11 @@ def _batch(lengths: list[int]) -> Batch:
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_the_shards_of_packed_rows_put_back_together_score_every_sample_token(size: int) -> None:
     batch = _batch(LENGTHS)
-    inputs = packed_input(batch)
+    inputs = packed_input(batch, padded_width(max(LENGTHS), size))
     width = inputs.input_ids.shape[1]
+    assert width % size == 0 and width - size < max(LENGTHS) <= width
     shards = [shard_input(inputs, rank, size) for rank in range(size)]
-    chunk = padded_width(width, size) // size
+    chunk = width // size
     assert all(shard.input_ids.shape == (inputs.input_ids.shape[0], chunk) for shard in shards)
     # A chunk boundary falls inside a sample: the next chunk starts mid-sample.
     assert any((shard.position_ids[:, 0] > 0).any() for shard in shards[1:])
@@ -62,15 +61,12 @@ def test_the_shards_of_packed_rows_put_back_together_score_every_sample_token(si
     joined = torch.cat([shard.targets for shard in shards], dim=1)
     expected = batch.input_ids[:, 1:] * batch.attention_mask[:, 1:]
     assert torch.equal(merge_slices(joined, inputs), expected)
-    # What no sample scores is IGNORE: the padding, and each sample's last token.
+    # What no sample scores is IGNORE: the rows' tails, and each sample's last token.
     assert (joined == IGNORE).sum() == joined.numel() - sum(n - 1 for n in LENGTHS)
     ids = torch.cat([shard.input_ids for shard in shards], dim=1)
     positions = torch.cat([shard.position_ids for shard in shards], dim=1)
-    assert torch.equal(ids[:, :width], inputs.input_ids) and not ids[:, width:].any()
-    assert torch.equal(positions[:, :width], inputs.position_ids)
-    # The padding counts on from the row's last position: it joins the row's last sample.
-    steps = torch.arange(1, positions.shape[1] - width + 1)
-    assert torch.equal(positions[:, width:], inputs.position_ids[:, -1:] + steps)
+    assert torch.equal(ids, inputs.input_ids) and torch.equal(positions, inputs.position_ids)
+    assert all(shard.segments is inputs.segments for shard in shards)  # the whole rows'
 
 
 def test_a_sample_shorter_than_the_ranks_is_split_like_any_other() -> None:
@@ -88,33 +84,8 @@ def test_a_sample_shorter_than_the_ranks_is_split_like_any_other() -> None:
     joined = torch.cat([shard.targets for shard in shards], dim=1)
     expected = batch.input_ids[:, 1:] * batch.attention_mask[:, 1:]
     assert torch.equal(merge_slices(joined, inputs), expected)
-    # The whole row's mask keeps each sample to itself across the chunks.
-    mask = shards[0].attention_mask[0, 0]
-    assert mask.tolist() == [
-        [True, False, False, False],
-        [True, True, False, False],
-        [False, False, True, False],
-        [False, False, False, True],
-    ]
-
-
-def test_the_whole_rows_mask_is_the_one_transformers_builds_for_them() -> None:
-    config = Qwen2Config(
-        hidden_size=8, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1
-    )
-    config._attn_implementation = "sdpa"
-    inputs = packed_input(_batch(LENGTHS))
-    shards = [shard_input(inputs, rank, 2) for rank in range(2)]
-    padded = torch.cat([shard.position_ids for shard in shards], dim=1)
-    embeds = torch.empty(*padded.shape, 1)
-    expected = create_causal_mask(config, embeds, None, None, position_ids=padded)
-    assert expected is not None
-    assert all(torch.equal(shard.attention_mask, expected) for shard in shards)
-    assert torch.equal(row_mask(padded), expected)
-    # Rows of one sample each: plain causal, no mask, as transformers decides too.
-    single = torch.arange(6).expand(2, 6)
-    assert create_causal_mask(config, torch.empty(2, 6, 1), None, None, position_ids=single) is None
-    assert row_mask(single) is None
+    # The whole row's segments keep each sample to itself across the chunks.
+    assert shards[0].segments.starts.tolist() == [0, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

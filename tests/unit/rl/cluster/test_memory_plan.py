@@ -503,7 +503,7 @@ def test_a_teacher_on_devices_of_its_own_must_fit_one(tmp_path: Path) -> None:
 # lcm(2, 7) = 14 so that each rank gets whole heads.
 
 
-def test_sequence_parallelism_gives_a_rank_its_share_of_the_positions_and_whole_row_attention(
+def test_sequence_parallelism_gives_a_rank_its_share_of_the_positions_and_of_the_heads(
     tmp_path: Path,
 ) -> None:
     shape = _shape(tmp_path, QWEN_05B)
@@ -517,7 +517,6 @@ def test_sequence_parallelism_gives_a_rank_its_share_of_the_positions_and_whole_
         **state,
         "gathered": one["gathered"],
         "activations": 2 * 2048 * 24 * (5 * 896 + 2 * 2 * 64 + 4 * 4864),
-        "attention mask": 2048 * 1536 * (1 + 2 * 24),  # bool, and each layer's bf16 copy
         "log-prob workspace": 4 * 2048 * 8192 * 3 + 4 * (2048 + 8192) * 896,
     }
     # With 7: the group's micro-batch holds 7 x 2048 positions in rows padded to 1540 (a
@@ -527,12 +526,34 @@ def test_sequence_parallelism_gives_a_rank_its_share_of_the_positions_and_whole_
         "gathered": one["gathered"],
         "activations": 2 * 2048 * 24 * (5 * 896 + 2 * 14 * 64 + 4 * 4864),
         "all-to-all buffers": 2 * 2048 * (14 + 2 * 14) * 64 * 2,
-        "attention mask": 7 * 2048 * 1540 * (1 + 2 * 24),
         # and the group's log-probs and entropies gathered, fp32
         "log-prob workspace": 4 * 2048 * 8192 * 3 + 4 * (2048 + 8192) * 896 + 2 * 4 * 7 * 2048,
     }
     with pytest.raises(PlanDoesNotFit, match=r"sequence_parallel=4 .* the model has 14"):
         trainer_rank(_gpu_config(trainer={**packed, "sequence_parallel": 4}), shape)
+
+
+def test_the_critic_and_the_teacher_run_their_share_of_the_positions_too(
+    tmp_path: Path,
+) -> None:
+    shape = _shape(tmp_path, QWEN_05B)
+    sections = {"algorithm": {"advantage": "gae", "distill_coef": 1.0}, "teacher": {"path": "t"}}
+    packed = {"num_workers": 14, "packing": True, "micro_batch_tokens": 2048}
+    one, seven = (
+        _gpu_config(trainer={**packed, "sequence_parallel": sp}, **sections) for sp in (1, 7)
+    )
+    critic = trainer_rank(seven, shape, "critic rank").parts
+    # As the policy's (above): 2048 positions a rank, 2 of 14 heads, key/value heads repeated.
+    assert critic["activations"] == 2 * 2048 * 24 * (5 * 896 + 2 * 14 * 64 + 4 * 4864)
+    assert critic["all-to-all buffers"] == 2 * 2048 * (14 + 2 * 14) * 64 * 2
+    # The teacher's forward keeps the hidden state and one layer's intermediates of each of
+    # its 2048 positions (its own budget at degree 1; a seventh of its group's at 7).
+    per_token = 896 + 5 * 896 + 4 * 4864
+    teacher_one = teacher_rank(one, shape).parts
+    teacher_seven = teacher_rank(seven, shape).parts
+    assert teacher_one["activations"] == 2 * 2048 * (per_token + 2 * 2 * 64)
+    assert teacher_seven["activations"] == 2 * 2048 * (per_token + 2 * 14 * 64)
+    assert teacher_seven["all-to-all buffers"] == critic["all-to-all buffers"]
 
 
 def test_a_sample_longer_than_the_token_budget_is_a_micro_batch_of_its_own(
@@ -544,8 +565,7 @@ def test_a_sample_longer_than_the_token_budget_is_a_micro_batch_of_its_own(
     parts = trainer_rank(cfg, shape).parts
     # One row of 5002 positions (5001 padded to a multiple of 2): 2501 a rank.
     assert parts["activations"] == 2 * 2501 * (24 * 896 + 5 * 896 + 2 * 2 * 64 + 4 * 4864)
-    # With checkpointing, the layer recomputed holds its bf16 copy of the mask.
-    assert parts["attention mask"] == 5002 * 5002 * (1 + 2)
+    assert "attention mask" not in parts  # packed rows attend without one
 
 
 def test_on_cpu_short_half_precision_rows_hold_their_attention_scores(tmp_path: Path) -> None:
@@ -554,15 +574,16 @@ def test_on_cpu_short_half_precision_rows_hold_their_attention_scores(tmp_path: 
     short = _gpu_config(trainer=trainer, rollout={"max_model_len": 192})
     parts = trainer_rank(short, shape, on_gpu=False).parts
     # kernels.attention's explicit product: 2 rows x 7 heads x 192 x 192 scores a layer, saved
-    # as fp32 softmax and its bf16 copy; the boolean mask and each layer's negation of it.
+    # as fp32 softmax and its bf16 copy.
     assert parts["attention scores"] == 2 * 7 * 192 * 192 * (4 + 2) * 24
-    assert parts["attention mask"] == 2 * 192 * 192 * (1 + 24)
-    long = trainer_rank(_gpu_config(trainer=trainer, rollout={"max_model_len": 194}), shape, False)
+    long = _gpu_config(trainer=trainer, rollout={"max_model_len": 194})
+    long = trainer_rank(long, shape, on_gpu=False)
     assert "attention scores" not in long.parts  # SDPA beyond 192 keys
-    assert long.parts["attention mask"] == 2 * 194 * 194 * (1 + 2 * 24)
-    on_gpu = trainer_rank(short, shape).parts
-    assert "attention scores" not in on_gpu
-    assert on_gpu["attention mask"] == 2 * 192 * 192 * (1 + 2 * 24)
+    assert "attention scores" not in trainer_rank(short, shape).parts  # and on GPUs
+    # Shared-prompt rows carry a mask: bool, and each layer's negation of it.
+    shared = {**trainer, "share_prompts": True, "sequence_parallel": 1}
+    shared = _gpu_config(trainer=shared, rollout={"max_model_len": 192})
+    assert trainer_rank(shared, shape, on_gpu=False).parts["attention mask"] == 2 * 192 * 192 * 25
 
 
 def test_a_rollout_engine_must_hold_one_sequence_of_max_model_len(tmp_path: Path) -> None:
@@ -589,8 +610,8 @@ def _longest_by_hand(shape: ModelShape, sp: int, device: float) -> int:
     """The longest sample of the plan `_long_sample_config` (one sample a micro-batch,
     checkpointed, on trainer GPUs of their own) by its parts written out for Qwen2.5-7B: hidden
     3584, MLP 18944, 28 layers, 28 heads and 4 key/value heads of 128, untied 152064 x 3584
-    embedding and head. A row of W positions (a multiple of sp) costs a rank C + a W + 3 W^2:
-    its bool mask and the recomputed layer's bf16 copy do not shrink with sp."""
+    embedding and head. A row of W positions (a multiple of sp) costs a rank C + a W: its
+    samples attend without a mask."""
     n, h, vocab = shape.num_params, 3584, 152064
     kv = math.lcm(4, sp)
     constant = (
@@ -606,11 +627,10 @@ def _longest_by_hand(shape: ModelShape, sp: int, device: float) -> int:
         + 4 * h  # the log-prob kernel's hidden gradient
     )
     linear = per_token / sp + (8 if sp > 1 else 0)  # + the gathered log-probs and entropies
-    root = (-linear + math.sqrt(linear**2 + 4 * 3 * (device - constant))) / (2 * 3)
-    width = int(root) // sp * sp
-    while constant + linear * (width + sp) + 3 * (width + sp) ** 2 <= device:
+    width = int((device - constant) / linear) // sp * sp
+    while constant + linear * (width + sp) <= device:
         width += sp
-    while constant + linear * width + 3 * width**2 > device:
+    while constant + linear * width > device:
         width -= sp
     return width
 
@@ -644,8 +664,8 @@ def test_the_dry_run_says_the_longest_sample_without_and_with_sequence_paralleli
 ) -> None:
     shape = _shape(tmp_path, QWEN_7B)
     one, two = (_longest_by_hand(shape, sp, 80 * GIB) for sp in (1, 2))
-    # The mask, quadratic in the length, keeps the gain below 2x.
-    assert 1.2 * one < two < 2 * one
+    # The constant part (the sharded state, the gathered layers) keeps the gain below 2x.
+    assert 1.5 * one < two < 2 * one
     report = memory_report(_long_sample_config(2, str(tmp_path)), device_memory_gb=80)
     assert report.splitlines()[-1].startswith(
         f"longest sample the plan fits (rollout.max_model_len): {one:,} tokens with "
@@ -661,7 +681,7 @@ def test_the_long_sample_recipe_fits_80_gib_gpus_with_its_sequence_parallelism_o
     shape = _shape(tmp_path, QWEN_7B)
     recipe = Path(__file__).resolve().parents[4] / "recipes/gpu/dapo_qwen2.5_7b_long.yaml"
     cfg = load_config(recipe)
-    assert (cfg.trainer.sequence_parallel, cfg.rollout.max_model_len) == (4, 65536)
+    assert (cfg.trainer.sequence_parallel, cfg.rollout.max_model_len) == (4, 131072)
     assert check_fits(cfg, shape, 80 * GIB, on_gpu=True).splitlines()[-1].startswith("fits")
     cfg.trainer.sequence_parallel = 1
     with pytest.raises(PlanDoesNotFit, match="does not fit"):
