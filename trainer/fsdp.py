@@ -30,7 +30,13 @@ from trainer.rank_local_load import (
     meta_causal_lm,
     meta_lora,
 )
-from trainer.sequence_parallel import SequenceParallel, prepare_model, run_decoder
+from trainer.sequence_parallel import (
+    SequenceParallel,
+    chunk_of,
+    gather_router_calls,
+    prepare_model,
+    run_decoder,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,19 +70,24 @@ class LogProbModel(nn.Module):
 
         Position t scores input_ids[:, t+1] under softmax(logits_t / temperature); padding
         targets are skipped by the kernel and score 0. A mixture of experts routes each
-        position to `inputs.routing`'s experts where it has them.
+        position to `inputs.routing`'s experts where it has them, and its router calls are
+        the whole micro-batch's under sequence parallelism too.
 
         Under sequence parallelism the decoder and the kernel run on this rank's chunk of
         every packed row (`trainer.sequence_parallel`), and every rank of the group returns
         the whole micro-batch's results.
         """
+        sp = self.sequence_parallel
         if self.routing is not None:
             routing = inputs.routing
+            if routing is not None and sp is not None:  # the record of this rank's positions
+                routing = chunk_of(routing, sp.rank, sp.size)
             self.routing.replay = None if routing is None else routing.flatten(0, 1).long()
         score = functools.partial(self._score, temperature=temperature)
-        logprob, entropy = run_decoder(
-            self.model.get_decoder(), inputs, self.sequence_parallel, score
-        )
+        logprob, entropy = run_decoder(self.model.get_decoder(), inputs, sp, score)
+        if self.routing is not None and sp is not None:
+            rows = inputs.input_ids.shape[0]
+            self.routing.calls = gather_router_calls(self.routing.calls, rows, sp)
         return logprob, entropy
 
     def _score(

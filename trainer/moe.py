@@ -28,9 +28,12 @@ class MoEMiniBatch:
         objective: PolicyObjective,
         num_tokens: int,
         device: torch.device,
+        counts: bool = True,
     ) -> None:
-        """`num_tokens`: the real tokens of the whole mini-batch, over every rank's rows."""
-        self._routing, self._objective = routing, objective
+        """`num_tokens`: the real tokens of the whole mini-batch, over every rank's rows.
+        `counts`: whether this rank's tallies count (under sequence parallelism the ranks of a
+        group hold the same ones, and the first counts them)."""
+        self._routing, self._objective, self._counts = routing, objective, counts
         self._num_tokens = max(num_tokens, 1)
         self._tally: torch.Tensor | None = None
         self._replay = torch.zeros(2, device=device)  # (pairs that differ, pairs)
@@ -54,6 +57,9 @@ class MoEMiniBatch:
         moe/replay_disagreement, the share of (replayed token, layer) pairs whose router
         would have chosen other experts than the record's. Collective."""
         assert self._tally is not None, "no micro-batch added"
+        if not self._counts:
+            self._tally.zero_()
+            self._replay.zero_()
         dist.all_reduce(self._tally)
         dist.all_reduce(self._replay)
         # One read from the device for both (each read waits for the queued work); the

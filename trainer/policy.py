@@ -210,7 +210,9 @@ class PolicyTrainer(RoleRank):
         moe = None
         if self.policy.routing is not None:
             num_tokens = int(batch.attention_mask.sum())
-            moe = MoEMiniBatch(self.policy.routing, self.objective, num_tokens, self.device)
+            moe = MoEMiniBatch(
+                self.policy.routing, self.objective, num_tokens, self.device, self.counts_rows
+            )
         for micro, inputs, _ in self._micro_batches(batch):
             with adapter_dropout(self.policy):
                 logprob, entropy = self.policy(inputs, temperature)

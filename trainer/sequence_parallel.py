@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from kernels.attention import Segments, packed_attention
-from rl.expert_routing import moe_routers
+from rl.expert_routing import RouterCall
 from trainer.packing import IGNORE, ModelInput
 
 SP_ATTENTION = "tandem_ulysses"  # the `attn_implementation` of a model run sequence-parallel
@@ -90,11 +90,6 @@ def prepare_model(model: nn.Module, size: int, source: str) -> None:
             f"trainer.sequence_parallel={size}: {source} has {sorted(layer_types)} attention "
             "layers; sequence parallelism runs full-attention models only (set it to 1)"
         )
-    if moe_routers(model):
-        raise ValueError(
-            f"trainer.sequence_parallel={size}: {source} is a mixture of experts, whose router "
-            "losses and statistics are not split over positions yet; set it to 1"
-        )
     model.set_attn_implementation(SP_ATTENTION)
 
 
@@ -116,6 +111,12 @@ def padded_width(width: int, size: int) -> int:
     return -(-width // size) * size
 
 
+def chunk_of(rows: Tensor, rank: int, size: int) -> Tensor:
+    """Chunk `rank` of `size` of every row of `rows` [R, W, ...]: its positions W/N wide."""
+    chunk = rows.shape[1] // size
+    return rows[:, rank * chunk : (rank + 1) * chunk]
+
+
 def shard_input(inputs: ModelInput, rank: int, size: int) -> SequenceShard:
     """Chunk `rank` of `size` of every packed row of `inputs` (`trainer.packing.packed_input`,
     rows `padded_width` wide: `trainer.ranks.micro_batches` packs them so). Targets are the
@@ -123,12 +124,11 @@ def shard_input(inputs: ModelInput, rank: int, size: int) -> SequenceShard:
     assert inputs.segments is not None and inputs.hidden_index is None, "packed rows only"
     width = inputs.input_ids.shape[1]
     assert width % size == 0, "rows packed to a multiple of the group's size"
-    chunk = width // size
     targets = nn.functional.pad(inputs.targets, (0, 1), value=IGNORE)
-    mine = slice(rank * chunk, (rank + 1) * chunk)
-    return SequenceShard(
-        inputs.input_ids[:, mine], inputs.position_ids[:, mine], targets[:, mine], inputs.segments
+    ids, positions, targets = (
+        chunk_of(x, rank, size) for x in (inputs.input_ids, inputs.position_ids, targets)
     )
+    return SequenceShard(ids, positions, targets, inputs.segments)
 
 
 def merge_slices(values: Tensor, inputs: ModelInput) -> Tensor:
@@ -217,7 +217,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _GatherPositions(torch.autograd.Function):
-    """[R, L] per rank -> [R, N*L], the ranks' slices in rank order. Every rank of the group
+    """[R, L, ...] per rank -> [R, N*L, ...], the ranks' slices in rank order. Every rank of the group
     computes the same loss of the gathered values, so each one's gradient is its own slice's."""
 
     @staticmethod
@@ -233,9 +233,21 @@ class _GatherPositions(torch.autograd.Function):
 
 
 def gather_positions(values: Tensor, sp: SequenceParallel) -> Tensor:
-    """This rank's per-position values [R, W/N] -> the rows' [R, W] on every rank of the
-    group; differentiable (see `_GatherPositions`)."""
+    """This rank's per-position values [R, W/N, ...] -> the rows' [R, W, ...] on every rank
+    of the group; differentiable (see `_GatherPositions`)."""
     return _GatherPositions.apply(values, sp)
+
+
+def gather_router_calls(calls: list[RouterCall], rows: int, sp: SequenceParallel) -> list:
+    """A mixture of experts' router calls over this rank's positions of `rows` packed rows
+    (each [rows x W/N, ...], row-major) -> the calls over the whole rows, on every rank of the
+    group: the router losses and statistics see the micro-batch as without sequence
+    parallelism, and the logits' gradient reaches each rank's own positions."""
+
+    def whole(values: Tensor) -> Tensor:
+        return gather_positions(values.unflatten(0, (rows, -1)), sp).flatten(0, 1)
+
+    return [RouterCall(whole(c.logits), whole(c.natural), whole(c.used)) for c in calls]
 
 
 class _HeadShare:

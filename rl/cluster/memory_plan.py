@@ -396,6 +396,11 @@ def trainer_rank(
     if lora:  # each adapter also saves its A's output, r a token, for B's backward
         elements += layers * lora.rank * len(set(lora.target_modules))
     parts["activations"] = compute * num_tokens * elements
+    if role == "trainer rank" and sp > 1:
+        # A mixture of experts' router logits of the group's other positions, gathered for
+        # the router losses and kept in every sparse layer until backward.
+        other = micro.positions - num_tokens
+        parts["activations"] += compute * other * shape.num_experts * shape.num_sparse_layers
     parts.update(_attention_parts(micro, shape, compute, layers, on_gpu))
     if role == "trainer rank":
         rows = min(trainer.logprob_chunk_size, num_tokens)

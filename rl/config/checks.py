@@ -223,7 +223,6 @@ def _check_sequence_parallel(cfg: Config, path: Path | str) -> None:
         "trainer.packing=false (it splits packed rows)": not trainer.packing,
         "trainer.share_prompts": trainer.share_prompts,
         "trainer.compile": trainer.compile,
-        "model.routing_replay (mixture of experts)": cfg.model.routing_replay,
     }
     for what, present in unsupported.items():
         if present:

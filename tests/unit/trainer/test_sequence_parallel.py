@@ -132,7 +132,7 @@ def test_the_exchanged_heads_attend_over_the_whole_row_as_one_rank_would(
         torch.testing.assert_close(heads_from_received(received), mine, rtol=1e-6, atol=1e-6)
 
 
-def test_a_model_is_refused_where_its_heads_or_layers_do_not_split() -> None:
+def test_a_model_is_refused_where_its_heads_or_layers_do_not_split_and_moe_runs() -> None:
     def meta(config) -> torch.nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
@@ -153,9 +153,10 @@ def test_a_model_is_refused_where_its_heads_or_layers_do_not_split() -> None:
     )
     with pytest.raises(ValueError, match=r"sliding_attention.*full-attention models only"):
         prepare_model(meta(sliding), 2, "m")
-    moe = Qwen2MoeConfig(num_attention_heads=2, num_key_value_heads=1, num_experts=2, **small)
-    with pytest.raises(ValueError, match="mixture of experts"):
-        prepare_model(meta(moe), 2, "m")
+    # A mixture of experts runs (its router calls are gathered over the group).
+    moe = meta(Qwen2MoeConfig(num_attention_heads=2, num_key_value_heads=1, num_experts=2, **small))
+    prepare_model(moe, 2, "m")
+    assert moe.config._attn_implementation == SP_ATTENTION
 
 
 def test_the_ranks_of_a_group_run_the_same_micro_batches_and_the_groups_split_the_rows() -> None:

@@ -228,6 +228,13 @@ def test_qwen3_30b_a3b_counts_every_expert_in_memory_and_gathers_a_layer_of_them
     # A layer's fused expert tensors (gate/up and down of 128 experts) are one load unit,
     # larger than the 151936 x 2048 embedding: a weight sync's bucket holds them whole.
     assert largest_bucket_bytes(_gpu_config(), shape) == 2 * 128 * 3 * 768 * 2048
+    # Over a group of 4 (4 key/value heads: none repeated), a rank runs a quarter of the
+    # group's 8 x 1536 positions and keeps the other three quarters' router logits too (128
+    # a position, in each of the 48 layers).
+    sp4 = {"activation_checkpointing": True, "sequence_parallel": 4, "packing": True}
+    parts = trainer_rank(_gpu_config(trainer=sp4), shape).parts
+    gathered = 3 * 2 * 1536 * 128 * 48
+    assert parts["activations"] == 2 * (2 * 1536 * (48 * 2048 + per_layer) + gathered)
 
 
 def test_the_dry_run_says_total_and_active_parameters_of_a_mixture(tmp_path: Path) -> None:
