@@ -257,6 +257,13 @@ def _check_rollout(cfg: Config, path: Path | str) -> None:
         )
     if rollout.kv_cache_gb <= 0:
         raise ConfigError(f"{path}: rollout.kv_cache_gb must be > 0, got {rollout.kv_cache_gb}")
+    if cfg.base.build_if_missing and rollout.max_model_len > cfg.base.max_position_embeddings:
+        # vLLM refuses a max_model_len beyond the model's own bound.
+        raise ConfigError(
+            f"{path}: rollout.max_model_len={rollout.max_model_len} exceeds the base this "
+            f"recipe builds (base.max_position_embeddings={cfg.base.max_position_embeddings}): "
+            "raise base.max_position_embeddings"
+        )
     if not 0 < rollout.gpu_memory_utilization <= 1:
         raise ConfigError(
             f"{path}: rollout.gpu_memory_utilization is a fraction of each GPU's memory, in "

@@ -339,6 +339,12 @@ class BaseBuildConfig(Section):
     tie_word_embeddings: bool = Field(
         False, description="Share input embedding and lm_head weights."
     )
+    max_position_embeddings: int = Field(
+        2048,
+        description="The longest sequence the model is built for (its config's "
+        "max_position_embeddings, which vLLM bounds max_model_len by); at least "
+        "rollout.max_model_len.",
+    )
     sft_steps: int = Field(
         1500, description="Most supervised fine-tuning steps on the task's train split."
     )
@@ -360,7 +366,7 @@ class BaseBuildConfig(Section):
 class DataConfig(Section):
     task: str = Field(
         "addition",
-        description="Task name from rl.data.tasks (addition, countdown, math, repeat), or "
+        description="Task name from rl.data.tasks (addition, countdown, majority, math, repeat), or "
         "reasoning_gym:<dataset> for a reasoning-gym dataset (pip install -e .[reasoning-gym]).",
     )
     task_config: dict[str, Any] = Field(

@@ -95,6 +95,20 @@ def test_nucleus_sampling_is_refused_because_the_trainer_scores_the_full_softmax
         load_config(recipe, ["rollout.top_p=0.9"])
 
 
+def test_a_base_built_shorter_than_the_engines_context_is_refused() -> None:
+    recipe = REPO / "recipes/grpo_majority_sp_cpu.yaml"
+    cfg = load_config(recipe)
+    assert cfg.rollout.max_model_len <= cfg.base.max_position_embeddings
+    with pytest.raises(ConfigError, match=r"max_model_len=3072 exceeds .*embeddings=2048"):
+        load_config(recipe, ["base.max_position_embeddings=2048"])
+    # A base built from the recipe's shape carries the bound vLLM reads.
+    from trainer.hf_model import new_model, train_tokenizer
+
+    tokenizer = train_tokenizer(["ab" * 50, "ba" * 50], cfg.base.vocab_size)
+    model = new_model(cfg.base, tokenizer, seed=0)
+    assert model.config.max_position_embeddings == cfg.base.max_position_embeddings == 4096
+
+
 def _model_dir_config(model_dir: Path) -> Config:
     recipe = REPO / "recipes/grpo_addition_cpu.yaml"
     return load_config(recipe, [f"model.path={model_dir}", "base.build_if_missing=false"])
