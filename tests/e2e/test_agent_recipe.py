@@ -28,6 +28,8 @@ def test_agent_recipe_builds_its_base_trains_with_tools_and_evaluates_episodes(
         f"run.output_dir={tmp_path / 'runs'}",
         # The recipe's base build as is: it stops at 30% validation success (about 225 steps).
         "data.num_train=3000",
+        # The base's and `rl eval`'s held-out episodes (multi-turn, with the sandboxed tool).
+        "data.num_test=100",
         "run.num_steps=3",
         "run.prompts_per_step=8",
         "run.eval_every=3",

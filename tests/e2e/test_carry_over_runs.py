@@ -1,7 +1,8 @@
-"""partial_rollout carry through the real `rl` command: two runs whose timings differ log the
-same metrics, and a run killed with SIGKILL while it generates, then resumed with
-`--resume auto`, logs them too, bit for bit (measurements of the machine aside), carried
-samples and the backlog of finished groups included in its checkpoint."""
+"""partial_rollout carry through the real `rl` command: a run killed with SIGKILL while it
+generates, then resumed with `--resume auto`, logs the reference run's metrics bit for bit
+(measurements of the machine aside): the steps before the kill from one process and the rest
+from another, each timed differently from the reference, with carried samples and the backlog
+of finished groups in the checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.helpers.tiny_runs import tiny_run_tree, with_tiny_base
 
 pytestmark = pytest.mark.e2e
 
-NUM_STEPS = 5
+NUM_STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,7 @@ def reference(recipe: Path) -> list[dict]:
     return reference_run(recipe, NUM_STEPS)
 
 
-def test_two_carry_runs_log_the_same_metrics_and_carry_groups_over(
-    recipe: Path, reference: list[dict]
-) -> None:
-    assert run_recipe(recipe, "again") == reference
+def test_a_carry_run_carries_groups_over_within_its_bounds(reference: list[dict]) -> None:
     steps = reference[1:]
     # Carried over: groups that finished an epoch after they started, tokens a version old.
     assert any(r["carry/carried_groups"] > 0 for r in steps)

@@ -1,7 +1,8 @@
-"""scheduler.streaming through the real `rl` command: two streamed runs whose timings differ log
-the same metrics bit for bit; a streamed run killed with SIGKILL while chunks of a step are in
-the trainer's gradients (not checkpointed) and resumed with `--resume auto` logs them too; and
-its first step is the unstreamed run's to fp32 rounding."""
+"""scheduler.streaming through the real `rl` command: a streamed run killed with SIGKILL while
+chunks of a step are in the trainer's gradients (not checkpointed) and resumed with
+`--resume auto` logs the reference run's metrics bit for bit (the steps before the kill from
+one process, the rest from another, each timed differently from the reference); and its first
+step is the unstreamed run's to fp32 rounding."""
 
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ def reference(recipe: Path) -> list[dict]:
     return reference_run(recipe, NUM_STEPS)
 
 
-def test_two_streamed_runs_log_the_same_metrics(recipe: Path, reference: list[dict]) -> None:
-    assert run_recipe(recipe, "again") == reference
-    # Steps with a gradient, after the resume point of the kill below too (a step whose
+def test_the_streamed_steps_have_gradients_before_and_after_the_resume_point(
+    reference: list[dict],
+) -> None:
+    # The kill below compares steps with a gradient, after its resume point too (a step whose
     # groups all score alike has none).
     assert reference[1]["actor/grad_norm"] > 0
     assert any(record["actor/grad_norm"] > 0 for record in reference[3:])
