@@ -91,6 +91,13 @@ def explicit_product(
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
+def attention_layer_types(config: object) -> set[str]:
+    """The kinds of attention layer an HF config's model has (a config without `layer_types`
+    attends over the whole sequence in every layer): `PACKED_ATTENTION` runs
+    {"full_attention"} only."""
+    return set(getattr(config, "layer_types", None) or ["full_attention"])
+
+
 # Samples gathered into one padded batch are at least this share of its longest: the padding
 # costs each sample at most (1 / share)^2 of its own attention.
 _BUCKET_SHARE = 0.75

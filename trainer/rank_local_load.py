@@ -40,7 +40,7 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from kernels.attention import ATTENTION, PACKED_ATTENTION
+from kernels.attention import ATTENTION, PACKED_ATTENTION, attention_layer_types
 from rl.config import LoraConfig
 from rl.config.safetensors_files import StoredTensor, checkpoint_tensors, read_rows
 
@@ -56,8 +56,8 @@ def meta_causal_lm(path: str) -> PreTrainedModel:
     runs packed rows sample by sample without a mask (`kernels.attention.PACKED_ATTENTION`)
     unless a layer attends over a sliding window, which needs the masks of `ATTENTION`."""
     config = AutoConfig.from_pretrained(path)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    implementation = PACKED_ATTENTION if layer_types == {"full_attention"} else ATTENTION
+    full = attention_layer_types(config) == {"full_attention"}
+    implementation = PACKED_ATTENTION if full else ATTENTION
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=implementation

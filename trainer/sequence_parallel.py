@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from kernels.attention import Segments, packed_attention
+from kernels.attention import Segments, attention_layer_types, packed_attention
 from rl.expert_routing import RouterCall
 from trainer.packing import IGNORE, ModelInput
 
@@ -84,7 +84,7 @@ def prepare_model(model: nn.Module, size: int, source: str) -> None:
             f"trainer.sequence_parallel={size} gives each rank 1/{size} of the attention heads, "
             f"but {source} has num_attention_heads={heads}: choose a degree that divides it"
         )
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    layer_types = attention_layer_types(config)
     if layer_types != {"full_attention"}:
         raise ValueError(
             f"trainer.sequence_parallel={size}: {source} has {sorted(layer_types)} attention "
